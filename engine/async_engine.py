@@ -1,0 +1,222 @@
+"""AsyncEngine: LLMEngine on its own thread, driven from asyncio.
+
+The engine thread owns every piece of engine state. asyncio callers talk to it
+through one bounded inbox (submit, cancel) and get events back through a per-request
+RequestStream that the thread fills with loop.call_soon_threadsafe. A full inbox is
+refused at once (EngineOverloaded), so a burst can never grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.engine import LLMEngine
+from engine.errors import EngineError
+from engine.outputs import CandidateEvent, FinishReason
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(EngineError):
+    """The bounded request queue is full; retry later."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down or its loop has died."""
+
+
+@dataclass
+class RequestStream:
+    """Events of one request, in order; iteration ends when every candidate has finished."""
+
+    request_id: str
+    n: int
+    _queue: asyncio.Queue[CandidateEvent] = field(default_factory=asyncio.Queue)
+    _finished: set[int] = field(default_factory=set)
+
+    def _push(self, events: list[CandidateEvent]) -> None:
+        for event in events:
+            self._queue.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[CandidateEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[CandidateEvent]:
+        while len(self._finished) < self.n:
+            event = await self._queue.get()
+            if event.index in self._finished:
+                continue  # a late duplicate final (the loop died after it finished)
+            if event.finished:
+                self._finished.add(event.index)
+            yield event
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+    admitted: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Cancel:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024):
+        self.engine = engine
+        self._inbox: queue.Queue[_Submit | _Cancel] = queue.Queue(maxsize=max_queued_requests)
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.fatal_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (or raises its ValidationError)."""
+        if self._stop.is_set() or self.fatal_error is not None:
+            raise EngineStopped("the engine loop is stopped")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, params.n)
+        admitted = loop.create_future()
+        try:
+            self._inbox.put_nowait(
+                _Submit(request_id, prompt_token_ids, params, priority, stream, admitted, loop)
+            )
+        except queue.Full:
+            raise EngineOverloaded(
+                f"request queue is full ({self._inbox.maxsize} waiting); retry later"
+            ) from None
+        await admitted
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request from any thread; its final events say CANCELLED. Idempotent."""
+        self._inbox.put(_Cancel(request_id))  # never refused: a cancel only frees work
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[CandidateEvent]:
+        """Submit and iterate; leaving the loop early (or being cancelled) aborts the request."""
+        stream = await self.submit(request_id, prompt_token_ids, params, priority)
+        finished = False
+        try:
+            async for event in stream:
+                yield event
+            finished = True
+        finally:
+            if not finished:
+                self.cancel(request_id)
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests)
+                if self.engine.has_unfinished_requests:
+                    self._dispatch(self.engine.step())
+        except BaseException as exc:  # the loop died: fail everyone still waiting
+            log.exception("engine loop died")
+            self.fatal_error = exc
+            self._fail_all(f"engine loop died: {type(exc).__name__}: {exc}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: _Submit | _Cancel) -> None:
+        if isinstance(item, _Cancel):
+            self._dispatch(self.engine.abort_request(item.request_id))
+            return
+        try:
+            self.engine.add_request(
+                item.request_id, item.prompt_token_ids, item.params, item.priority
+            )
+        except Exception as exc:
+            _resolve(item.loop, item.admitted, exc)
+            return
+        self._streams[item.request_id] = (item.stream, item.loop)
+        _resolve(item.loop, item.admitted, None)
+
+    def _dispatch(self, events: list[CandidateEvent]) -> None:
+        by_request: dict[str, list[CandidateEvent]] = {}
+        for event in events:
+            by_request.setdefault(event.request_id, []).append(event)
+        for request_id, batch in by_request.items():
+            entry = self._streams.get(request_id)
+            if entry is None:
+                continue
+            stream, loop = entry
+            if request_id not in self.engine.requests:
+                del self._streams[request_id]
+            _call_soon(loop, stream._push, batch)
+
+    def _fail_all(self, error: str) -> None:
+        for request_id, (stream, loop) in list(self._streams.items()):
+            events = [
+                CandidateEvent(request_id, i, "", [], finish_reason=FinishReason.ERROR, error=error)
+                for i in range(stream.n)
+            ]
+            _call_soon(loop, stream._push, events)
+        self._streams.clear()
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None
+) -> None:
+    def settle() -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    _call_soon(loop, settle)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed; nobody is listening
+        pass

@@ -1,0 +1,109 @@
+"""One config tree for the engine, validated once at construction and never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import ValidationError
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: size the pool from kv_cache_memory_gib (CPU) or free GPU memory (GPU).
+    num_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValidationError(
+                "block_size", f"must be a power of two in [1, 128], got {self.block_size}"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValidationError("num_blocks", f"must be >= 1, got {self.num_blocks}")
+        if not self.kv_cache_memory_gib > 0:
+            raise ValidationError(
+                "kv_cache_memory_gib", f"must be > 0, got {self.kv_cache_memory_gib}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running sequences (candidates) at once
+    max_num_batched_tokens: int = 2048  # tokens per step, prefill and decode together
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValidationError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValidationError(
+                "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF dir, .gguf file, or alias; None = embedded default
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16) | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None = the model's own context length
+    seed: int = 0  # seeds the draws for requests that bring no seed
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValidationError(
+                "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValidationError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+def engine_config_from_flat(**values: object) -> EngineConfig:
+    """Build the tree from flat knob names (as CLI flags, env vars and config files use them).
+
+    Unknown names are an error, so a typo never silently falls back to a default.
+    """
+    sections = {
+        "cache": (CacheConfig, set(CacheConfig.__dataclass_fields__)),
+        "scheduler": (SchedulerConfig, set(SchedulerConfig.__dataclass_fields__)),
+    }
+    top_fields = set(EngineConfig.__dataclass_fields__) - set(sections)
+    parts: dict[str, dict[str, object]] = {name: {} for name in sections}
+    top: dict[str, object] = {}
+    for key, value in values.items():
+        if value is None and key != "model":
+            continue  # not given: keep the default
+        if key in top_fields:
+            top[key] = value
+            continue
+        for name, (_, fields) in sections.items():
+            if key in fields:
+                parts[name][key] = value
+                break
+        else:
+            raise ValidationError(key, "unknown engine setting")
+    built = {name: cls(**parts[name]) for name, (cls, _) in sections.items()}
+    return EngineConfig(**top, **built)

@@ -1,0 +1,376 @@
+"""LLMEngine: the synchronous core. add_request / abort_request / step, nothing else.
+
+One step = schedule -> run the model on the flat batch -> sample -> append tokens,
+detokenize, check stops -> events. The offline LLM class and the async engine both
+drive this object; neither it nor they know about gRPC or HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence as SequenceOf
+
+from engine.attention.torch_backend import TorchPagedAttention
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ValidationError
+from engine.kv.block_manager import BlockManager, OutOfBlocksError
+from engine.model.loader import load_model
+from engine.model_store import resolve_model
+from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
+from engine.request import Request, Sequence, SequenceStatus
+from engine.runner import ModelRunner, SampleRow, kv_bytes_per_block
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.stop_strings import StopStringMatcher
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+
+
+def candidate_seed(seed: int, index: int) -> int:
+    """Candidate 0 keeps the request's seed; the others get well-mixed distinct seeds."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 29
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_path = resolve_model(config.model)
+        self.model_path = model_path
+        self.tokenizer = Tokenizer.from_path(model_path)
+        device, dtype = config.torch_device, config.torch_dtype
+        model, self.model_config = load_model(model_path, dtype, device, TorchPagedAttention())
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.model_config.eos_token_ids
+        )
+
+        cache = config.cache
+        num_blocks = cache.num_blocks or max(
+            1,
+            int(
+                cache.kv_cache_memory_gib
+                * 2**30
+                // kv_bytes_per_block(self.model_config, cache.block_size, dtype)
+            ),
+        )
+        self.runner = ModelRunner(
+            model, self.model_config, num_blocks, cache.block_size, device, dtype
+        )
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+
+        # A sequence must fit the pool on its own; that is what makes preemption deadlock-free.
+        model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.pool_tokens = num_blocks * cache.block_size
+        self.max_model_len = min(
+            model_len, self.model_config.max_position_embeddings, self.pool_tokens
+        )
+        log.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            self.model_config.architecture,
+            device,
+            dtype,
+            num_blocks,
+            cache.block_size,
+            self.max_model_len,
+        )
+
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    # ---- admission -------------------------------------------------------------------
+
+    def tokenize_prompt(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: SequenceOf[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise ValidationError(
+                "prompt", "give exactly one of prompt, prompt_token_ids, messages"
+            )
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if prompt is not None:
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValidationError(
+                    "prompt_token_ids", f"token {i} is {t!r}, expected an integer in [0, {vocab})"
+                )
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValidationError("request_id", f"{request_id!r} is already running")
+        params.validate(self.model_config.vocab_size)
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise ValidationError("prompt", "must not be empty")
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise ValidationError(
+                "prompt",
+                f"{n_prompt} tokens leave no room to generate: the context limit is {limit} tokens "
+                f"(model {self.model_config.max_position_embeddings}, KV pool {self.pool_tokens})",
+            )
+        if params.max_tokens is None:
+            max_tokens = limit - n_prompt
+        elif n_prompt + params.max_tokens > limit:
+            raise ValidationError(
+                "max_tokens",
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"limit of {limit} tokens (model {self.model_config.max_position_embeddings}, "
+                f"KV pool {self.pool_tokens})",
+            )
+        else:
+            max_tokens = params.max_tokens
+
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival_order=next(self._arrivals),
+            forked=params.n == 1,
+        )
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request.sequences.append(self._new_sequence(request, 0, base_seed))
+        self.requests[request_id] = request
+        self.scheduler.add(request.sequences[0])
+        return request
+
+    def _new_sequence(self, request: Request, index: int, base_seed: int) -> Sequence:
+        params = request.params
+        return Sequence(
+            request=request,
+            index=index,
+            seed=candidate_seed(base_seed, index),
+            token_ids=list(request.prompt_token_ids),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            ),
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+        )
+
+    def abort_request(self, request_id: str) -> list[CandidateEvent]:
+        """Cancel a request; returns its final CANCELLED events (empty if unknown/finished)."""
+        return self._finish_request(request_id, FinishReason.CANCELLED, None)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[CandidateEvent]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            timing = chunk.seq.request.timing
+            timing.first_scheduled = timing.first_scheduled or now
+
+        sample_rows, row_seqs = self._sample_rows(sched.chunks)
+        prompt_lp_chunks = {
+            i: c.seq.request.params.prompt_logprobs
+            for i, c in enumerate(sched.chunks)
+            if c.seq.request.prompt_logprobs_pending and c.start < c.seq.num_prompt_tokens
+        }
+        try:
+            result = self.runner.execute(sched.chunks, sample_rows, prompt_lp_chunks)
+        except Exception as exc:  # an engine fault fails this step's requests, not the engine
+            log.exception("step failed; failing %d requests", len(sched.chunks))
+            return self._fail_step(sched.chunks, f"engine error: {type(exc).__name__}: {exc}")
+
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, chunk.end)
+        for i, lps in result.prompt_logprobs.items():
+            request = sched.chunks[i].seq.request
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]  # the first prompt token has no logprob
+            request.prompt_logprobs.extend(lps)
+
+        # Fork new candidates before any token lands: a parent that finishes on its first
+        # token frees its blocks, and the children must have taken their share by then.
+        targets = [
+            (self._fork(seq, fork_index) if fork_index is not None else seq, sampled)
+            for (seq, fork_index), sampled in zip(row_seqs, result.sampled)
+        ]
+        return [self._append_token(seq, s.token_id, s.logprob) for seq, s in targets]
+
+    def _sample_rows(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[SampleRow], list[tuple[Sequence, int | None]]]:
+        """Rows to sample, and for each the sequence it extends (and the fork index, if new)."""
+        rows: list[SampleRow] = []
+        owners: list[tuple[Sequence, int | None]] = []
+        for i, chunk in enumerate(chunks):
+            if not chunk.samples:
+                continue
+            seq = chunk.seq
+            request = seq.request
+            if request.forked:
+                rows.append(self._row(i, seq, seq.seed))
+                owners.append((seq, None))
+                continue
+            # First token of an n > 1 request: every candidate draws from these logits.
+            for index in range(request.params.n):
+                seed = candidate_seed(request.sequences[0].seed, index)
+                rows.append(self._row(i, seq, seed))
+                owners.append((seq, index if index > 0 else None))
+        return rows, owners
+
+    def _row(self, chunk_index: int, seq: Sequence, seed: int) -> SampleRow:
+        params = seq.request.params
+        banned: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.extend(self.eos_token_ids)
+        return SampleRow(
+            chunk_index=chunk_index,
+            params=params,
+            seed=seed,
+            prompt_ids=seq.request.prompt_token_ids,
+            output_ids=seq.output_token_ids,
+            banned_ids=banned,
+        )
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """Create candidate `index` from the parent whose prompt just finished prefilling."""
+        request = parent.request
+        child = self._new_sequence(request, index, request.sequences[0].seed)
+        child.num_cached_tokens = parent.num_cached_tokens
+        request.sequences.append(child)
+        if len(request.sequences) == request.params.n:
+            request.forked = True
+        try:
+            child.block_table, copy = self.block_manager.fork(
+                parent.block_table, parent.num_computed_tokens
+            )
+        except OutOfBlocksError:  # no block for the copy-on-write: recompute the prompt later
+            self.scheduler.add(child)
+            return child
+        if copy is not None:
+            self.runner.copy_blocks([copy])
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.scheduler.add_running(child)
+        return child
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
+    ) -> CandidateEvent:
+        request = seq.request
+        params = request.params
+        seq.token_ids.append(token_id)
+        if request.timing.first_token is None:
+            request.timing.first_token = time.monotonic()
+
+        text, matched = seq.stop_matcher.feed(seq.detokenizer.add(token_id))
+        n_out = seq.num_output_tokens
+        reason: FinishReason | None = None
+        if matched is not None:
+            reason, seq.matched_stop = FinishReason.STOP, matched
+        elif token_id in params.stop_token_ids and n_out >= params.min_tokens:
+            reason, seq.matched_stop = FinishReason.STOP, token_id
+        elif (
+            token_id in self.eos_token_ids and not params.ignore_eos and n_out >= params.min_tokens
+        ):
+            reason = FinishReason.EOS
+        elif n_out >= request.max_tokens:
+            reason = (
+                FinishReason.LENGTH if params.max_tokens is not None else FinishReason.CONTEXT_LIMIT
+            )
+        if reason is not None and matched is None:
+            tail, matched = seq.stop_matcher.feed(seq.detokenizer.flush())
+            text += tail
+            if matched is not None:
+                reason, seq.matched_stop = FinishReason.STOP, matched
+            else:
+                text += seq.stop_matcher.flush()
+
+        event = CandidateEvent(
+            request_id=request.request_id,
+            index=seq.index,
+            text=text,
+            token_ids=[token_id],
+            logprobs=[logprob] if logprob is not None else None,
+        )
+        if seq.index == 0 and request.prompt_logprobs is not None and n_out == 1:
+            event.prompt_logprobs = request.prompt_logprobs
+        if reason is not None:
+            self._finish_sequence(seq, reason, None, event)
+        return event
+
+    # ---- endings ----------------------------------------------------------------------
+
+    def _finish_sequence(
+        self, seq: Sequence, reason: FinishReason, error: str | None, event: CandidateEvent
+    ) -> None:
+        request = seq.request
+        self.scheduler.remove(seq)
+        seq.finish_reason, seq.error = reason, error
+        event.finish_reason, event.matched_stop, event.error = reason, seq.matched_stop, error
+        event.usage = Usage(
+            request.num_prompt_tokens, seq.num_output_tokens, request.sequences[0].num_cached_tokens
+        )
+        if request.finished:
+            request.timing.finished = time.monotonic()
+            self.requests.pop(request.request_id, None)
+        event.timing = request.timing
+
+    def _finish_request(
+        self, request_id: str, reason: FinishReason, error: str | None
+    ) -> list[CandidateEvent]:
+        request = self.requests.get(request_id)
+        if request is None:
+            return []
+        # Candidates that were never forked end too: a caller expects one final event each.
+        pending = [s for s in request.sequences if not s.is_finished]
+        for index in range(len(request.sequences), request.params.n):
+            seq = self._new_sequence(request, index, request.sequences[0].seed)
+            seq.status = SequenceStatus.FINISHED  # never scheduled: holds nothing
+            request.sequences.append(seq)
+            pending.append(seq)
+        request.forked = True
+        events = []
+        for seq in pending:
+            event = CandidateEvent(request_id, seq.index, "", [])
+            self._finish_sequence(seq, reason, error, event)
+            events.append(event)
+        return events
+
+    def _fail_step(self, chunks: list[ScheduledChunk], error: str) -> list[CandidateEvent]:
+        events: list[CandidateEvent] = []
+        for rid in dict.fromkeys(c.seq.request.request_id for c in chunks):
+            events.extend(self._finish_request(rid, FinishReason.ERROR, error))
+        return events

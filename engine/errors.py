@@ -1,0 +1,21 @@
+"""Typed errors the engine raises. The service maps each to a status code."""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ValidationError(EngineError, ValueError):
+    """A request or config value is invalid. `field` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelLoadError(EngineError):
+    """A model could not be found, parsed, or matched to its weights."""
+
+
+class CapacityError(EngineError):
+    """A request can never fit, e.g. it needs more KV blocks than the whole pool."""

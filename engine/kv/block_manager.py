@@ -1,0 +1,306 @@
+"""Paged-KV block bookkeeping: who owns which KV block, and which blocks can be reused.
+
+Pure Python, no tensors: the KV pool itself lives with the model (layout in
+engine/attention/base.py); this module only hands out block ids.
+
+Every block is in exactly one of three states:
+
+    free       ref_count == 0, holds nothing worth keeping      -> the free list (FIFO)
+    evictable  ref_count == 0, published in the prefix cache    -> the LRU (oldest evicted first)
+    used       ref_count  > 0, held by one or more block tables
+
+so free + evictable + used == num_blocks. Both free and evictable blocks can be allocated;
+an evictable block is only taken (and its cache entry dropped) when the free list is empty.
+
+Prefix caching: once a block is full and its KV computed, it is "registered" with the exact
+content it holds (its tokens and the prefix before them) and "published" under a chain hash
+(hash of the parent block's hash and the block's tokens) so a later prompt with the same
+prefix can share it instead of recomputing. Hashes may collide, so a hit is verified against
+the stored content before it is shared. A block's KV depends on every token before it, not
+only on its own, so the stored content names the parent prefix by a `prefix_id`: an id
+that, unlike hashes (which collide) and block ids (which are recycled), is never reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.errors import EngineError
+
+
+class OutOfBlocksError(EngineError):
+    """No KV block is allocatable right now. The scheduler preempts a sequence and retries."""
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chain hash of a full block. Deterministic within the process, which is all we need."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class BlockTable:
+    """One sequence's KV blocks, in token order."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    last_hash: int | None = None  # chain hash of block num_hashed_blocks - 1 (None before any)
+
+
+@dataclass(frozen=True)
+class BlockContent:
+    """Exactly which KV a full, computed block holds."""
+
+    block_hash: int
+    token_ids: tuple[int, ...]
+    prefix_id: int  # names the whole token prefix ending with this block
+    parent_prefix_id: int | None  # None for the first block of a sequence
+
+
+@dataclass
+class Block:
+    ref_count: int = 0
+    content: BlockContent | None = None  # set once registered; cleared when the block is reused
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens looked up with match_prefix
+    hit_tokens: int = 0  # of those, tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._blocks = [Block() for _ in range(num_blocks)]
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._cached_block_ids: dict[int, int] = {}  # chain hash -> published block id
+        self._next_prefix_id = itertools.count()
+        self._num_used_blocks = 0
+
+    # ---- capacity -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: truly free plus cached-but-unreferenced (evictable)."""
+        return len(self._free_block_ids) + len(self._evictable_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self._num_used_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """Extra blocks `table` needs to hold `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(table.block_ids))
+
+    # ---- the sequence lifecycle -------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[BlockTable, int]:
+        """Share the longest cached prefix of `token_ids`; return the new table and its length.
+
+        Never covers the last token: its logits are needed, so it must be computed.
+        """
+        self.prefix_cache_stats.queried_tokens += len(token_ids)
+        table = BlockTable()
+        if not self.enable_prefix_caching:
+            return table, 0
+        parent_prefix_id = None
+        for index in range((len(token_ids) - 1) // self.block_size):
+            start = index * self.block_size
+            chunk = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(table.last_hash, chunk)
+            block_id = self._cached_block_ids.get(block_hash)
+            if block_id is None:
+                break
+            content = self._blocks[block_id].content
+            assert content is not None
+            if content.token_ids != chunk or content.parent_prefix_id != parent_prefix_id:
+                break  # a hash collision: this block holds other KV
+            self._take_reference(block_id)
+            table.block_ids.append(block_id)
+            table.num_hashed_blocks += 1
+            table.last_hash = block_hash
+            parent_prefix_id = content.prefix_id
+        num_cached_tokens = len(table.block_ids) * self.block_size
+        self.prefix_cache_stats.hit_tokens += num_cached_tokens
+        return table, num_cached_tokens
+
+    def allocate(self, table: BlockTable, num_tokens: int) -> bool:
+        """Grow `table` to hold `num_tokens` tokens. All or nothing: False changes nothing."""
+        num_needed = self.blocks_needed(table, num_tokens)
+        if num_needed > self.num_free_blocks:
+            return False
+        for _ in range(num_needed):
+            table.block_ids.append(self._take_unused_block())
+        return True
+
+    def register_full_blocks(
+        self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Publish every block that became full now that KV of `num_computed_tokens` exists."""
+        if not self.enable_prefix_caching:
+            return
+        num_full_blocks = num_computed_tokens // self.block_size
+        assert num_full_blocks <= len(table.block_ids) and num_computed_tokens <= len(token_ids)
+        for index in range(table.num_hashed_blocks, num_full_blocks):
+            start = index * self.block_size
+            chunk = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(table.last_hash, chunk)
+            block_id = table.block_ids[index]
+            block = self._blocks[block_id]
+            if block.content is None:
+                parent_prefix_id = (
+                    self._content_of(table.block_ids[index - 1]).prefix_id if index > 0 else None
+                )
+                self._register(block_id, block_hash, chunk, parent_prefix_id)
+            else:
+                # Shared with a fork sibling that registered it first.
+                assert block.content.token_ids == chunk and block.content.block_hash == block_hash
+            table.num_hashed_blocks = index + 1
+            table.last_hash = block_hash
+
+    def fork(self, table: BlockTable, num_tokens: int) -> tuple[BlockTable, tuple[int, int] | None]:
+        """A child table for another candidate of the same sequence, `num_tokens` long.
+
+        Full blocks are shared. A partial last block is not (both candidates will write to it):
+        the child gets a fresh block and the returned (src, dst) pair tells the caller to copy
+        its KV. Raises OutOfBlocksError, changing nothing, when no block is free for that copy.
+        """
+        num_full_blocks, num_partial_tokens = divmod(num_tokens, self.block_size)
+        assert self.blocks_needed(table, num_tokens) == 0, "fork beyond the table's blocks"
+        assert table.num_hashed_blocks <= num_full_blocks
+        if num_partial_tokens and self.num_free_blocks == 0:
+            raise OutOfBlocksError("no free KV block to copy the partial last block into")
+        child = BlockTable(
+            block_ids=table.block_ids[:num_full_blocks],
+            num_hashed_blocks=table.num_hashed_blocks,
+            last_hash=table.last_hash,
+        )
+        for block_id in child.block_ids:
+            self._take_reference(block_id)
+        if not num_partial_tokens:
+            return child, None
+        src_block_id = table.block_ids[num_full_blocks]
+        dst_block_id = self._take_unused_block()
+        child.block_ids.append(dst_block_id)
+        return child, (src_block_id, dst_block_id)
+
+    def free(self, table: BlockTable) -> None:
+        """Drop the table's references, tail first so its tail blocks are evicted first."""
+        for block_id in reversed(table.block_ids):
+            block = self._blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            self._num_used_blocks -= 1
+            if self._is_published(block_id):
+                self._evictable_block_ids[block_id] = None
+            else:
+                block.content = None
+                self._free_block_ids.append(block_id)
+        table.block_ids.clear()
+        table.num_hashed_blocks = 0
+        table.last_hash = None
+
+    def reset_prefix_cache_stats(self) -> None:
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _take_reference(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable_block_ids[block_id]  # revived from the cache
+            self._num_used_blocks += 1
+        block.ref_count += 1
+
+    def _take_unused_block(self) -> int:
+        """A block with no references: a free one, else the least recently freed cached one."""
+        if self._free_block_ids:
+            block_id = self._free_block_ids.popleft()
+        else:
+            block_id, _ = self._evictable_block_ids.popitem(last=False)
+            block = self._blocks[block_id]
+            assert block.content is not None
+            del self._cached_block_ids[block.content.block_hash]
+            block.content = None
+        self._blocks[block_id].ref_count = 1
+        self._num_used_blocks += 1
+        return block_id
+
+    def _register(
+        self,
+        block_id: int,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        parent_prefix_id: int | None,
+    ) -> None:
+        cached_id = self._cached_block_ids.get(block_hash)
+        cached = self._blocks[cached_id].content if cached_id is not None else None
+        if (
+            cached is not None
+            and cached.token_ids == token_ids
+            and cached.parent_prefix_id == parent_prefix_id
+        ):
+            # An equal block is already published: ours is a duplicate and stays unpublished,
+            # but it names the same prefix so blocks after it chain on the cached one.
+            prefix_id = cached.prefix_id
+        else:
+            prefix_id = next(self._next_prefix_id)
+        self._blocks[block_id].content = BlockContent(
+            block_hash, token_ids, prefix_id, parent_prefix_id
+        )
+        if cached_id is None:
+            self._cached_block_ids[block_hash] = block_id
+        # else: a duplicate, or a collision with other content; the hash slot is taken either way.
+
+    def _content_of(self, block_id: int) -> BlockContent:
+        content = self._blocks[block_id].content
+        assert content is not None, f"block {block_id} is not registered"
+        return content
+
+    def _is_published(self, block_id: int) -> bool:
+        content = self._blocks[block_id].content
+        return content is not None and self._cached_block_ids.get(content.block_hash) == block_id
+
+    # ---- integrity --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent. O(num_blocks): for tests and idle checks."""
+        free = set(self._free_block_ids)
+        evictable = set(self._evictable_block_ids)
+        used = {i for i, block in enumerate(self._blocks) if block.ref_count > 0}
+        assert len(free) == len(self._free_block_ids), "a block is on the free list twice"
+        assert all(block.ref_count >= 0 for block in self._blocks), "negative ref count"
+        assert not free & used and not free & evictable and not evictable & used
+        assert len(free) + len(evictable) + len(used) == self.num_blocks, "a block is lost"
+        assert len(used) == self._num_used_blocks
+        for block_hash, block_id in self._cached_block_ids.items():
+            content = self._blocks[block_id].content
+            assert content is not None and content.block_hash == block_hash
+        published_unused = {
+            i
+            for i, block in enumerate(self._blocks)
+            if block.ref_count == 0 and self._is_published(i)
+        }
+        assert evictable == published_unused, "the LRU must hold exactly the unused cached blocks"
+        assert all(self._blocks[i].content is None for i in free), "a free block kept its content"

@@ -1,0 +1,92 @@
+"""The offline, synchronous API: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig, engine_config_from_flat
+from engine.engine import LLMEngine
+from engine.outputs import CandidateEvent, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **settings):
+        """`settings` are flat engine knobs (device, dtype, block_size, num_blocks, ...)."""
+        if config is None:
+            config = engine_config_from_flat(model=model, **settings)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [
+            self.engine.tokenize_prompt(prompt=p)
+            if isinstance(p, str)
+            else self.engine.tokenize_prompt(prompt_token_ids=p)
+            for p in prompts
+        ]
+        return self._run(token_lists, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation, rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        token_lists = [self.engine.tokenize_prompt(messages=list(c)) for c in conversations]
+        return self._run(token_lists, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(token_lists)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(token_lists):
+                raise ValueError("sampling_params must be one value or one per prompt")
+
+        request_ids = []
+        for tokens, params in zip(token_lists, params_list):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, tokens, params)
+            request_ids.append(request_id)
+
+        events: dict[str, list[CandidateEvent]] = {rid: [] for rid in request_ids}
+        bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
+        done = 0
+        while self.engine.has_unfinished_requests:
+            for event in self.engine.step():
+                events[event.request_id].append(event)
+            finished = sum(rid not in self.engine.requests for rid in request_ids)
+            bar.update(finished - done)
+            done = finished
+        bar.close()
+        return [
+            RequestOutput.from_events(rid, tokens, params.n, events[rid])
+            for rid, tokens, params in zip(request_ids, token_lists, params_list)
+        ]

@@ -1,0 +1,158 @@
+"""The shape of a Llama-family decoder, read from a Hugging Face config.json (or a GGUF).
+
+One frozen dataclass covers Llama, Mistral, Qwen2 and Qwen3 (SmolLM is Llama): they differ
+only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings and tied embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+# HF `architectures[0]` -> what the checkpoint needs beyond a plain Llama.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# For config.json files that name only a model_type.
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None = plain rope; else has "rope_type" and its params
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q, k and v projections (Qwen2)
+    qk_norm: bool  # RMSNorm over each q and k head before rope (Qwen3)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a parsed config.json. Raises ModelLoadError for anything we cannot run exactly."""
+        try:
+            return cls._from_hf_config(d)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json is missing the key {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
+        architectures = d.get("architectures") or []
+        if architectures:
+            architecture = architectures[0]
+        else:
+            architecture = _ARCHITECTURE_OF_MODEL_TYPE.get(d.get("model_type", ""))
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {architecture!r} in config.json; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
+        if d.get("mlp_bias"):
+            raise ModelLoadError("mlp_bias=true is not supported")
+
+        # Qwen2 always has qkv bias; Llama/Qwen3 `attention_bias` also adds an o_proj bias,
+        # which no supported checkpoint uses, so we refuse it rather than load it wrong.
+        if architecture == "Qwen2ForCausalLM":
+            attention_bias = True
+        elif d.get("attention_bias"):
+            raise ModelLoadError(f"attention_bias=true is not supported for {architecture}")
+        else:
+            attention_bias = False
+
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        rope_theta, rope_scaling = _read_rope(d)
+        return cls(
+            architecture=architecture,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_context_length(d, architecture),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=attention_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=as_token_ids(d.get("eos_token_id")),
+        )
+
+
+def as_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """config.json writes eos_token_id as an int, a list, or null."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either layout: transformers < 5 writes `rope_theta` and
+    `rope_scaling`; transformers >= 5 writes one `rope_parameters` dict holding both."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    params["rope_type"] = rope_type
+    params.pop("type", None)
+    return float(theta), params
+
+
+def _context_length(d: dict[str, Any], architecture: str) -> int:
+    """The longest context we serve exactly.
+
+    We run full causal attention. A sliding window (Mistral v0.1, Qwen with
+    use_sliding_window) only changes the result once a sequence outgrows the window,
+    so we cap the context at the window instead of implementing windowed attention.
+    """
+    max_positions = d.get("max_position_embeddings", 2048)
+    window = d.get("sliding_window")
+    uses_window = architecture == "MistralForCausalLM" or d.get("use_sliding_window", False)
+    if uses_window and window:
+        return min(max_positions, window)
+    return max_positions

@@ -1,0 +1,164 @@
+"""One Llama-family decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+Plain, device-agnostic torch over a flat varlen batch: every tensor is [T, ...] where T
+is the number of new tokens in the step, across all sequences. Attention goes through
+the backend, which owns the paged KV cache. Norm, activation and rope are small
+separate pieces so a GPU path can swap in fused kernels.
+
+Parameter names follow Hugging Face, except the merged projections:
+    self_attn.qkv_proj = [q_proj; k_proj; v_proj]    mlp.gate_up_proj = [gate_proj; up_proj]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.model.config import ModelConfig
+from engine.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32, scale in the weight's dtype, as Hugging Face does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+        super().__init__()
+        self.layer_index = layer_index
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, scale=self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)  # looked up once, shared by every layer
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        # Tied: the LM head reads the embedding matrix; no separate parameter exists.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: list[torch.Tensor],  # one per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden]; call compute_logits on the rows you need."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 [N, vocab] logits for N hidden rows."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()

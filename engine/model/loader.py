@@ -1,0 +1,190 @@
+"""Build a LlamaForCausalLM from a Hugging Face directory or a GGUF file.
+
+The module is built on the meta device (no memory), then each checkpoint tensor is
+converted to the target dtype and device as it streams in, and the finished tensors are
+assigned into the module: one copy of the weights ever exists. q/k/v and gate/up are
+copied into slices of their merged parameter as they arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from engine.attention.base import AttentionBackend
+from engine.errors import ModelLoadError
+from engine.model.config import ModelConfig, as_token_ids
+from engine.model.gguf import gguf_model_config, gguf_tensors, open_gguf
+from engine.model.llama import LlamaForCausalLM
+
+# (checkpoint name, tensor, file it came from)
+NamedTensors = Iterable[tuple[str, torch.Tensor, str]]
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attn_backend: AttentionBackend,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    path = Path(path)
+    device = torch.device(device)
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"expected a model directory or a .gguf file, got {path}")
+        reader = open_gguf(path)
+        config = gguf_model_config(reader)
+        named = ((name, t, path.name) for name, t in gguf_tensors(reader, config))
+        num_tensors = len(reader.tensors)
+    else:
+        config = read_hf_config(path)
+        files = safetensors_files(path)
+        num_tensors = sum(len(_safetensors_keys(f)) for f in files)
+        named = _read_safetensors(files)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attn_backend)
+    weights = _load_weights(model, config, named, num_tensors, dtype, device)
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.to(device)  # moves the rope cache, built on the CPU; weights are already there
+    return model.eval(), config
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"no config.json in {directory}")
+    config = ModelConfig.from_hf_config(_read_json(config_path))
+    # Chat models often list extra stop ids (e.g. Llama 3's <|eot_id|>) only here.
+    generation_path = directory / "generation_config.json"
+    if generation_path.is_file():
+        extra = as_token_ids(_read_json(generation_path).get("eos_token_id"))
+        eos_ids = tuple(dict.fromkeys(config.eos_token_ids + extra))
+        config = dataclasses.replace(config, eos_token_ids=eos_ids)
+    return config
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map", {})
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"shard {file.name} listed in {index_path.name} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        hint = " (pytorch_model.bin is not supported)" if any(directory.glob("*.bin")) else ""
+        raise ModelLoadError(f"no .safetensors weights in {directory}{hint}")
+    return files
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name), file.name
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+def _safetensors_keys(file: Path) -> list[str]:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+def _load_weights(
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    named: NamedTensors,
+    num_tensors: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Stream checkpoint tensors into real tensors for every parameter of the meta model."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    pieces = checkpoint_pieces(shapes, config)
+    weights: dict[str, torch.Tensor] = {}
+    loaded: set[str] = set()
+    progress = tqdm(
+        named,
+        total=num_tensors,
+        desc="Loading weights",
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )
+    for name, tensor, source in progress:
+        if name not in pieces:
+            if _is_ignored(name, config):
+                continue
+            raise ModelLoadError(f"unexpected tensor {name!r} in {source}")
+        param, rows = pieces[name]
+        expected = shapes[param] if rows is None else (rows.stop - rows.start, *shapes[param][1:])
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(
+                f"tensor {name!r} in {source} has shape {tuple(tensor.shape)}, expected {expected}"
+            )
+        if rows is None:
+            weights[param] = tensor.to(device=device, dtype=dtype).contiguous()
+        else:
+            if param not in weights:
+                weights[param] = torch.empty(shapes[param], dtype=dtype, device=device)
+            weights[param][rows].copy_(tensor)
+        loaded.add(name)
+
+    missing = [name for name in pieces if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    return weights
+
+
+def checkpoint_pieces(
+    param_shapes: dict[str, tuple[int, ...]], config: ModelConfig
+) -> dict[str, tuple[str, slice | None]]:
+    """Checkpoint tensor name -> (our parameter, its rows in that parameter or None for all)."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    merged = {
+        "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
+        "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
+    }
+    pieces: dict[str, tuple[str, slice | None]] = {}
+    for param in param_shapes:
+        module = param.split(".")[-2]
+        if module in merged:
+            for part, start, rows in merged[module]:
+                pieces[param.replace(module, part)] = (param, slice(start, start + rows))
+        else:
+            pieces[param] = (param, None)
+    return pieces
+
+
+def _is_ignored(name: str, config: ModelConfig) -> bool:
+    """Tensors some checkpoints carry that we do not need."""
+    if name.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+        return True
+    return name == "lm_head.weight" and config.tie_word_embeddings  # tied copy of the embedding
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e

@@ -1,0 +1,109 @@
+"""What the engine hands back: one event per candidate per step, and finished results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"  # max_tokens reached
+    EOS = "eos"  # the model's end-of-sequence token
+    STOP = "stop"  # a stop string or stop token id matched
+    CONTEXT_LIMIT = "context_limit"  # max_model_len (or the whole KV pool) reached
+    CANCELLED = "cancelled"  # aborted by the caller
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+@dataclass
+class RequestTiming:
+    """Monotonic timestamps (time.monotonic) of a request's milestones."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class CandidateEvent:
+    """New output of one candidate since its previous event. The last one has finish_reason."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first event of candidate 0 only
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    usage: Usage | None = None  # on the final event
+    timing: RequestTiming | None = None  # on the final event
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    matched_stop: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A whole request's result, as the offline LLM API returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def from_events(
+        cls, request_id: str, prompt_token_ids: list[int], n: int, events: list[CandidateEvent]
+    ) -> RequestOutput:
+        outputs = [CompletionOutput(i, "", [], None) for i in range(n)]
+        prompt_logprobs = None
+        completion_tokens = cached_tokens = 0
+        for ev in events:
+            out = outputs[ev.index]
+            out.text += ev.text
+            out.token_ids += ev.token_ids
+            if ev.logprobs is not None:
+                out.logprobs = (out.logprobs or []) + ev.logprobs
+            if ev.prompt_logprobs is not None:
+                prompt_logprobs = ev.prompt_logprobs
+            if ev.finished:
+                out.finish_reason, out.matched_stop, out.error = (
+                    ev.finish_reason,
+                    ev.matched_stop,
+                    ev.error,
+                )
+                if ev.usage is not None:
+                    completion_tokens += ev.usage.completion_tokens
+                    cached_tokens = max(cached_tokens, ev.usage.cached_tokens)
+        usage = Usage(len(prompt_token_ids), completion_tokens, cached_tokens)
+        return cls(request_id, prompt_token_ids, outputs, prompt_logprobs, usage)

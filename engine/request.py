@@ -1,0 +1,112 @@
+"""Request and per-candidate sequence state, as small dataclasses of counters.
+
+A Request owns one or more Sequences (its `n` candidates). Until the prompt is fully
+prefilled a request has a single sequence; the step that samples its first token forks
+the other n-1 candidates, which share the prompt's KV blocks.
+
+KV regions of a sequence's token_ids (prompt + output so far):
+
+    [0, num_cached_tokens)                   KV reused from the prefix cache at admission
+    [0, num_computed_tokens)                 KV present in the blocks of block_table
+    [num_computed_tokens, len(token_ids))    still to compute; a step schedules a chunk of it
+
+A sequence samples its next token in the step whose chunk reaches len(token_ids).
+Preemption by recompute frees the blocks and sets num_computed_tokens back to 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from engine.kv.block_manager import BlockTable
+from engine.outputs import FinishReason, RequestTiming, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.stop_strings import StopStringMatcher
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context limit
+    priority: int = 0  # higher runs first; FCFS among equals
+    arrival_order: int = 0  # tie-breaker, assigned by the engine
+    timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.monotonic()))
+    sequences: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # True once all n candidates exist
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill if asked
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.status is SequenceStatus.FINISHED for s in self.sequences)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs were asked for and not all prompt positions have them yet."""
+        if not self.wants_prompt_logprobs:
+            return False
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # candidate index within the request
+    seed: int  # drives this candidate's sampling, independent of its batch-mates
+    token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    block_table: BlockTable = field(default_factory=lambda: BlockTable([]))
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: higher priority first, then arrival, then candidate index."""
+        return (-self.request.priority, self.request.arrival_order, self.index)

@@ -1,0 +1,143 @@
+"""Per-request sampling and stopping parameters, validated once when a request arrives."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import ValidationError
+
+MAX_N = 64  # candidates per request
+MAX_LOGPROBS = 20  # top alternatives per position, as in the OpenAI API
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_PENALTY = 2.0  # presence / frequency penalties live in [-MAX_PENALTY, MAX_PENALTY]
+# Below this temperature a row is sampled greedily: the distribution is a point mass in all
+# but name, and dividing logits by a tiny number can overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (e.g. 0) = greedy
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1]
+    repetition_penalty: float = 1.0  # > 0; HF semantics over prompt + output tokens
+    presence_penalty: float = 0.0  # OpenAI semantics over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context limit
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # 0..20 top alternatives (0 = only the chosen token's logprob)
+    prompt_logprobs: int | None = None  # 0..20
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValidationError naming the first invalid field and its allowed range."""
+        _check_int("n", self.n, low=1, high=MAX_N)
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k, low=-1, hint="-1 or 0 turns it off")
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
+        _check_float(
+            "frequency_penalty", self.frequency_penalty, low=-MAX_PENALTY, high=MAX_PENALTY
+        )
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=_INT64_MIN, high=_INT64_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int(
+            "min_tokens", self.min_tokens, low=0, high=self.max_tokens, hint="up to max_tokens"
+        )
+        _check_stop(self.stop)
+        _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValidationError(name, "must be a boolean")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but True is never a meaningful count or seed.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None, hint: str = "") -> None:
+    allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    if not _is_int(value):
+        raise ValidationError(name, f"must be an integer {allowed}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        suffix = f" ({hint})" if hint else ""
+        raise ValidationError(name, f"must be {allowed}{suffix}, got {value}")
+
+
+def _check_float(
+    name: str,
+    value: object,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    opening = "(" if low_open else "["
+    allowed = (
+        f"in {opening}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+    )
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValidationError(name, f"must be a number {allowed}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValidationError(name, f"must be a finite number {allowed}, got {value}")
+    below = value <= low if low_open else value < low
+    if below or (high is not None and value > high):
+        raise ValidationError(name, f"must be {allowed}, got {value}")
+
+
+def _check_stop(stop: object) -> None:
+    # A bare string is iterable and would silently become one stop string per character.
+    if not isinstance(stop, (list, tuple)):
+        raise ValidationError("stop", f"must be a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValidationError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if not isinstance(text, str):
+            raise ValidationError("stop", f"entry {i} must be a string, got {text!r}")
+        if not text:
+            raise ValidationError("stop", f"entry {i} is empty")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise ValidationError(
+                "stop", f"entry {i} has {len(text)} characters, at most {MAX_STOP_STRING_CHARS}"
+            )
+
+
+def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
+    if not isinstance(ids, (list, tuple)):
+        raise ValidationError("stop_token_ids", f"must be a list of integers, got {ids!r}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    high = vocab_size - 1 if vocab_size is not None else None
+    allowed = f"in [0, {high}]" if high is not None else ">= 0"
+    for i, token_id in enumerate(ids):
+        if not _is_int(token_id):
+            raise ValidationError(
+                "stop_token_ids", f"entry {i} must be an integer, got {token_id!r}"
+            )
+        if token_id < 0 or (high is not None and token_id > high):
+            raise ValidationError(
+                "stop_token_ids", f"entry {i} must be a token id {allowed}, got {token_id}"
+            )

@@ -1,0 +1,168 @@
+"""Iteration-level continuous batching under a token budget.
+
+Each step the scheduler picks, in this order, until the token budget
+(max_num_batched_tokens) or the sequence cap (max_num_seqs) runs out:
+
+  1. running decodes (one token each), highest priority first;
+  2. running prefills that were chunked in an earlier step;
+  3. waiting sequences (new or preempted), highest priority first, FCFS among equals,
+     starting from their longest cached prefix.
+
+A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
+latest-arrived running sequence not yet scheduled this step (preemption by
+recompute: its blocks are freed and it waits to be prefilled again). Every
+sequence fits the pool on its own (the engine checks at admission), so the
+highest-priority sequence can always make progress: no deadlock, no OOM.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv.block_manager import BlockManager
+from engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token position computed in this step (== seq.num_computed_tokens)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token gets sampled."""
+        return self.end == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked candidate that already holds KV blocks joins the running set."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out for good (finished, cancelled, failed) and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._allocate_or_preempt(seq, n, scheduled, out):
+                continue
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        # Admitting while preempting would only thrash: wait for blocks to come back.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            if not seq.block_table.block_ids:
+                self._match_prefix(seq)
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                if self.config.enable_chunked_prefill:
+                    n = budget
+                elif out.chunks:
+                    break  # unchunked prompts run whole; this one waits for an emptier step
+            if not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
+                self._unmatch_prefix(seq)
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            scheduled.add(id(seq))
+            budget -= min(n, budget)
+        return out
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput
+    ) -> bool:
+        """Find blocks for seq's next n tokens, preempting others if needed.
+
+        Returns False if seq itself had to be preempted (nothing else could give way).
+        """
+        while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        request = seq.request
+        if request.prompt_logprobs_pending:
+            return  # every prompt position's logits are needed: compute them all
+        table, num_cached = self.block_manager.match_prefix(seq.token_ids)
+        seq.block_table = table
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0 and seq.index == 0:
+            seq.num_cached_tokens = num_cached
+
+    def _unmatch_prefix(self, seq: Sequence) -> None:
+        """Give back prefix-cache references taken by a sequence that could not be admitted."""
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0

@@ -1,0 +1,102 @@
+"""AsyncEngine: the engine thread driven from asyncio (submit, stream, cancel, overload)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineOverloaded
+from engine.config import engine_config_from_flat
+from engine.engine import LLMEngine
+from engine.errors import ValidationError
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny"), "qwen3")
+    return LLMEngine(engine_config_from_flat(model=str(path), num_blocks=128, block_size=4))
+
+
+@pytest.fixture
+async def async_engine(engine):
+    ae = AsyncEngine(engine, max_queued_requests=8)
+    ae.start()
+    yield ae
+    ae.shutdown(timeout=5)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+async def test_concurrent_streams_match_offline(async_engine, engine):
+    params = SamplingParams(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5][: i + 1] for i in range(5)]
+
+    async def collect(i, prompt):
+        texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+        finals = []
+        async for ev in async_engine.generate(f"s{i}", prompt, params):
+            texts[ev.index] += ev.text
+            tokens[ev.index] += ev.token_ids
+            if ev.finished:
+                finals.append(ev)
+        return tokens, finals
+
+    results = await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)))
+    for tokens, finals in results:
+        assert sorted(f.index for f in finals) == [0, 1]
+        assert all(
+            f.finish_reason is FinishReason.LENGTH and f.usage.completion_tokens == 12
+            for f in finals
+        )
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+
+
+async def test_validation_error_raised_at_submit(async_engine):
+    with pytest.raises(ValidationError) as err:
+        await async_engine.submit("bad", [1, 2], SamplingParams(top_p=0.0))
+    assert err.value.field == "top_p"
+
+
+async def test_leaving_the_stream_early_cancels(async_engine, engine):
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    seen = 0
+    async for _ in async_engine.generate("early", [1, 2, 3], params):
+        seen += 1
+        if seen == 3:
+            break
+    for _ in range(100):  # the cancel lands within an engine step or two
+        if "early" not in engine.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert "early" not in engine.requests
+
+
+async def test_cancel_by_id_ends_stream_with_cancelled(async_engine):
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    stream = await async_engine.submit("byid", [4, 5, 6], params)
+    last = None
+    async for ev in stream:
+        last = ev
+        if not ev.finished:
+            async_engine.cancel("byid")
+    assert last.finish_reason is FinishReason.CANCELLED
+
+
+async def test_full_queue_is_refused_fast_and_queued_requests_still_run(engine):
+    ae = AsyncEngine(engine, max_queued_requests=2)  # not started yet: nothing drains the inbox
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    pending = [asyncio.ensure_future(ae.submit(f"q{i}", [1, 2], params)) for i in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(EngineOverloaded, match="queue is full"):
+        await ae.submit("q-over", [1, 2], params)
+    ae.start()
+    try:
+        for fut in pending:
+            events = [ev async for ev in await fut]
+            assert events[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        ae.shutdown(timeout=5)
+    assert "q-over" not in engine.requests

@@ -1,0 +1,90 @@
+"""The `pagedserve` command line, run in-process and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from service.cli import main
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("cli-tiny"), "qwen2")
+
+
+def test_generate_json_fields(tiny_model, capsys):
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            "hello world",
+            "--prompt",
+            "abc",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+            "--num-blocks",
+            "64",
+        ]
+    )
+    assert code == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt_index"] for r in records] == [0, 1]
+    for r in records:
+        assert set(r) >= {
+            "text",
+            "token_ids",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+        }
+        assert r["finish_reason"] == "length"
+        assert r["completion_tokens"] == len(r["token_ids"]) == 6
+        assert r["prompt_tokens"] > 0
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    code = main(["generate", "--model", "no/such-model", "--prompt", "x"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no/such-model" in err and "alias" in err
+
+
+def test_bad_sampling_value_is_a_clear_error(tiny_model, capsys):
+    code = main(["generate", "--model", str(tiny_model), "--prompt", "x", "--temperature", "-1"])
+    assert code == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_chat_question():
+    """The embedded SmolLM2-135M-Instruct, through the installed console entry point."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "generate",
+            "--chat",
+            "--json",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.splitlines()[0])
+    assert "Paris" in record["text"]
+    assert record["finish_reason"] in ("eos", "length")

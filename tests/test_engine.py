@@ -1,0 +1,253 @@
+"""The engine end to end on tiny random-weight models: scheduling, caching, sampling, endings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.errors import ValidationError
+from engine.llm import LLM
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import write_tiny_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), num_blocks=256, block_size=4)
+
+
+def random_prompts(count: int, vocab: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+    assert not llm.engine.requests
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_greedy_matches_transformers(tiny_llama, llm):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    vocab = llm.engine.model_config.vocab_size
+    for prompt in random_prompts(3, vocab, seed=1, lo=5, hi=30):
+        ours = llm.generate([prompt], SamplingParams(max_tokens=32, **GREEDY))[0]
+        with torch.inference_mode():
+            ref = hf.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32
+            )[0, len(prompt) :].tolist()
+        assert ours.outputs[0].token_ids == ref
+    assert_pool_empty(llm)
+
+
+def test_batch_invariance_with_chunking_prefix_caching_and_preemption(tiny_llama):
+    solo = LLM(str(tiny_llama), num_blocks=512, block_size=4)
+    vocab = solo.engine.model_config.vocab_size
+    shared = random_prompts(1, vocab, seed=5, lo=20, hi=20)[0]
+    prompts = random_prompts(16, vocab, seed=2, lo=3, hi=60)
+    prompts = [shared + p if i % 3 == 0 else p for i, p in enumerate(prompts)]  # prefix hits
+    params = [SamplingParams(max_tokens=8 + 3 * i, **GREEDY) for i in range(16)]
+    expected = [solo.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+
+    # A pool of 48 blocks of 4 tokens cannot hold 16 sequences of up to ~130 tokens at once,
+    # and a budget of 24 tokens chunks every long prompt.
+    pressured = LLM(str(tiny_llama), num_blocks=48, block_size=4, max_num_batched_tokens=24)
+    got = [o.outputs[0].token_ids for o in pressured.generate(prompts, params)]
+    assert got == expected
+    engine = pressured.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.prefix_cache_stats.hit_tokens > 0
+    assert_pool_empty(pressured)
+
+
+def test_seeded_sampling_ignores_batch_mates(llm):
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=9)[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0].outputs[0].token_ids
+    others = random_prompts(7, vocab, seed=10)
+    mixed = llm.generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 3
+        + [params]
+        + [SamplingParams(max_tokens=16, temperature=0.7, ignore_eos=True)] * 4,
+    )
+    assert mixed[3].outputs[0].token_ids == alone
+    other_seed = llm.generate([prompt], SamplingParams(**{**params.__dict__, "seed": 99}))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_candidates_share_prompt_blocks(llm):
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=11, lo=10, hi=10)[0]  # 10 tokens: a partial last block
+    params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(
+        len(o.token_ids) == 12 and o.finish_reason is FinishReason.LENGTH for o in out.outputs
+    )
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    single = llm.generate([prompt], SamplingParams(**{**params.__dict__, "n": 1}))[0]
+    assert single.outputs[0].token_ids == out.outputs[0].token_ids
+    greedy = llm.generate([prompt], SamplingParams(n=3, max_tokens=12, **GREEDY))[0]
+    assert len({tuple(o.token_ids) for o in greedy.outputs}) == 1
+    assert out.usage.completion_tokens == 48
+    assert_pool_empty(llm)
+
+
+def test_stop_string_trims_and_reports(llm):
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=12)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    first = full.text.index(stop)
+    cut = llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop], **GREEDY))[0].outputs[0]
+    assert cut.finish_reason is FinishReason.STOP and cut.matched_stop == stop
+    assert cut.text == full.text[:first]
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY),
+    )[0].outputs[0]
+    assert kept.text == full.text[: first + len(stop)]
+
+
+def test_stop_token_ids_min_tokens_and_eos(llm):
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=13)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop_id], **GREEDY))
+    o = out[0].outputs[0]
+    assert o.finish_reason is FinishReason.STOP and o.matched_stop == stop_id
+    assert o.token_ids == full.token_ids[: first + 1]
+
+    # EOS is the greedy choice at step k: with min_tokens above k it is banned instead.
+    eos = next(iter(llm.engine.eos_token_ids))
+    forced = SamplingParams(
+        max_tokens=20, temperature=0.0, stop_token_ids=[stop_id], min_tokens=first + 3
+    )
+    o = llm.generate([prompt], forced)[0].outputs[0]
+    assert len(o.token_ids) >= first + 3 and stop_id not in o.token_ids[: first + 2]
+    assert eos not in o.token_ids[:-1]
+
+
+def test_prompt_and_sample_logprobs_match_transformers(tiny_llama, llm):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=14, lo=30, hi=30)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=3, logprobs=5, prompt_logprobs=3, **GREEDY)
+    )[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        lp = out.prompt_logprobs[pos]
+        assert lp.token_id == prompt[pos]
+        assert abs(lp.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+        assert [t for t, _ in lp.top] == ref[pos - 1].topk(3).indices.tolist()
+    first = out.outputs[0].logprobs[0]
+    assert first.token_id == out.outputs[0].token_ids[0] == ref[-1].argmax().item()
+    assert abs(first.logprob - ref[-1].max().item()) < 1e-4
+    assert len(first.top) == 5 and first.top[0][0] == first.token_id
+
+
+def test_cancel_mid_decode_returns_every_block(llm):
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    for i, prompt in enumerate(random_prompts(4, vocab, seed=15)):
+        engine.add_request(f"c{i}", prompt, SamplingParams(n=2, max_tokens=50, **GREEDY))
+    for _ in range(5):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    events = engine.abort_request("c1")
+    assert {e.index for e in events} == {0, 1}
+    assert all(e.finish_reason is FinishReason.CANCELLED and e.usage is not None for e in events)
+    assert engine.abort_request("c1") == []  # idempotent
+    for rid in ("c0", "c2", "c3"):
+        engine.abort_request(rid)
+    assert_pool_empty(llm)
+
+
+def test_cancel_while_waiting_and_before_fork(llm):
+    engine = llm.engine
+    engine.add_request("w", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=5, **GREEDY))
+    events = engine.abort_request("w")
+    assert sorted(e.index for e in events) == [0, 1, 2]
+    assert_pool_empty(llm)
+
+
+def test_engine_fault_fails_only_that_step(llm, monkeypatch):
+    engine = llm.engine
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.add_request("f", [1, 2, 3], SamplingParams(max_tokens=10, **GREEDY))
+    engine.step()
+    events = engine.step()
+    assert [e.finish_reason for e in events] == [FinishReason.ERROR]
+    assert "injected fault" in events[0].error
+    assert_pool_empty(llm)
+    again = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert len(again.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(prompt_token_ids=[]), "prompt"),
+        (dict(prompt_token_ids=[1, -3]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[10**9]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[1] * 2000), "prompt"),
+        (dict(prompt_token_ids=[1, 2], max_tokens=5000), "max_tokens"),
+        (dict(prompt_token_ids=[1, 2], temperature=-1.0), "temperature"),
+    ],
+)
+def test_invalid_requests_fail_alone(llm, kwargs, field):
+    ids = kwargs.pop("prompt_token_ids")
+    with pytest.raises(ValidationError) as err:
+        llm.generate([ids], SamplingParams(**kwargs))
+    assert err.value.field == field
+    assert_pool_empty(llm)
+
+
+def test_request_larger_than_pool_is_rejected_with_pool_named(tiny_llama):
+    small = LLM(str(tiny_llama), num_blocks=8, block_size=4)  # 32 tokens in the whole pool
+    with pytest.raises(ValidationError, match="KV pool 32"):
+        small.generate([[1] * 20], SamplingParams(max_tokens=20))
+    out = small.generate([[1] * 20], SamplingParams(max_tokens=10, **GREEDY))[0].outputs[0]
+    assert len(out.token_ids) == 10
+
+
+def test_duplicate_live_request_id(llm):
+    llm.engine.add_request("dup", [1, 2], SamplingParams(max_tokens=4))
+    with pytest.raises(ValidationError) as err:
+        llm.engine.add_request("dup", [3, 4], SamplingParams(max_tokens=4))
+    assert err.value.field == "request_id"
+    llm.engine.abort_request("dup")
+    assert_pool_empty(llm)

@@ -1,0 +1,224 @@
+"""Scheduler + block manager, driven by a fake model step (no tensors).
+
+The fake step does what the engine does after a forward: advance num_computed_tokens,
+publish full blocks, append a token when a chunk samples, finish at a target length.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from engine.config import SchedulerConfig
+from engine.kv.block_manager import BlockManager
+from engine.request import Request, Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+_arrivals = itertools.count()
+
+
+def make_seq(prompt: list[int], max_tokens: int, priority: int = 0) -> Sequence:
+    request = Request(
+        request_id=f"r{next(_arrivals)}",
+        prompt_token_ids=list(prompt),
+        params=SamplingParams(max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        priority=priority,
+        arrival_order=next(_arrivals),
+        forked=True,
+    )
+    seq = Sequence(request, 0, 0, list(prompt), detokenizer=None, stop_matcher=None)
+    request.sequences.append(seq)
+    return seq
+
+
+def fake_step(sched: Scheduler, out: SchedulerOutput, next_token: int = 7) -> list[Sequence]:
+    """Apply a step's results; returns the sequences that finished."""
+    finished = []
+    for chunk in out.chunks:
+        seq = chunk.seq
+        assert seq.num_computed_tokens == chunk.start
+        seq.num_computed_tokens = chunk.end
+        sched.block_manager.register_full_blocks(seq.block_table, seq.token_ids, chunk.end)
+        if chunk.samples:
+            seq.token_ids.append(next_token)
+            if seq.num_output_tokens >= seq.request.max_tokens:
+                sched.remove(seq)
+                finished.append(seq)
+    return finished
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    cfg = sched.config
+    seqs = [c.seq for c in out.chunks]
+    assert len(seqs) == len(set(map(id, seqs))), "a sequence scheduled twice in one step"
+    # Unchunked prompts longer than the budget run whole, alone in their step.
+    alone = not cfg.enable_chunked_prefill and len(out.chunks) == 1
+    assert out.num_tokens <= cfg.max_num_batched_tokens or alone
+    assert len(sched.running) <= cfg.max_num_seqs
+    for c in out.chunks:
+        assert c.seq.status is SequenceStatus.RUNNING
+        assert c.num_tokens >= 1
+        assert len(c.seq.block_table.block_ids) * sched.block_manager.block_size >= c.end
+    for p in out.preempted:
+        assert p not in seqs and p.status is SequenceStatus.WAITING and not p.block_table.block_ids
+
+
+def new_scheduler(num_blocks=64, block_size=4, max_seqs=8, budget=32, chunked=True) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), bm)
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> int:
+    steps = 0
+    while sched.has_work:
+        out = sched.schedule()
+        check_step(sched, out)
+        assert not out.is_empty, "scheduler stalled with work left (deadlock)"
+        fake_step(sched, out)
+        sched.block_manager.check_invariants()
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def test_chunked_prefill_splits_long_prompt_while_decodes_continue():
+    sched = new_scheduler(budget=16)
+    short = make_seq(list(range(4)), max_tokens=50)
+    sched.add(short)
+    fake_step(sched, sched.schedule())  # short prefilled, now decoding
+    long = make_seq(list(range(100, 160)), max_tokens=2)
+    sched.add(long)
+    chunk_sizes = []
+    while long.num_computed_tokens < 60:
+        out = sched.schedule()
+        by_seq = {id(c.seq): c for c in out.chunks}
+        assert id(short) in by_seq and by_seq[id(short)].num_tokens == 1, "decode starved"
+        chunk_sizes.append(by_seq[id(long)].num_tokens)
+        fake_step(sched, out)
+    assert len(chunk_sizes) > 1 and sum(chunk_sizes) == 60
+    assert max(chunk_sizes) <= 15  # budget 16 minus the decode token
+
+
+def test_without_chunked_prefill_prompts_run_whole():
+    sched = new_scheduler(budget=16, chunked=False)
+    a, b = make_seq(list(range(10)), 1), make_seq(list(range(20, 30)), 1)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(a, 10)]
+
+
+def test_priority_then_fcfs():
+    sched = new_scheduler(max_seqs=1)
+    low, high1, high2 = make_seq([1, 2], 1, 0), make_seq([3, 4], 1, 5), make_seq([5, 6], 1, 5)
+    for s in (low, high1, high2):
+        sched.add(s)
+    order = []
+    while sched.has_work:
+        out = sched.schedule()
+        order.extend(c.seq for c in out.chunks if c.start == 0)
+        fake_step(sched, out)
+    assert order == [high1, high2, low]
+
+
+def test_preemption_under_kv_pressure_then_everyone_finishes():
+    sched = new_scheduler(num_blocks=8, block_size=4, max_seqs=8, budget=64)
+    seqs = [make_seq(list(range(i * 10, i * 10 + 6)), max_tokens=20) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    run_to_completion(sched)
+    assert sched.num_preemptions > 0
+    assert all(s.num_output_tokens == 20 for s in seqs)
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_victim_is_lowest_priority_latest_arrival():
+    sched = new_scheduler(num_blocks=6, block_size=4, max_seqs=8, budget=64)
+    old = make_seq(list(range(8)), max_tokens=30, priority=1)
+    young = make_seq(list(range(50, 58)), max_tokens=30, priority=1)
+    low = make_seq(list(range(90, 94)), max_tokens=30, priority=0)
+    for s in (old, young, low):
+        sched.add(s)
+    preempted = []
+    while not preempted:
+        out = sched.schedule()
+        preempted = out.preempted
+        fake_step(sched, out)
+    assert preempted[0] is low
+
+
+def test_prefix_hit_skips_computed_tokens():
+    sched = new_scheduler(block_size=4)
+    a = make_seq(list(range(12)), max_tokens=1)
+    sched.add(a)
+    run_to_completion(sched)
+    b = make_seq(list(range(12)) + [99], max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.chunks[0].start == 12 and out.chunks[0].num_tokens == 1
+    assert b.num_cached_tokens == 12
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_seqs=st.integers(1, 6),
+        budget=st.integers(1, 24),
+        chunked=st.booleans(),
+    )
+    def setup(self, num_blocks, block_size, max_seqs, budget, chunked):
+        self.sched = new_scheduler(num_blocks, block_size, max_seqs, budget, chunked)
+        self.capacity = num_blocks * block_size
+        self.live: list[Sequence] = []
+
+    @rule(
+        prompt=st.lists(st.integers(0, 3), min_size=1, max_size=30),
+        max_tokens=st.integers(1, 10),
+        priority=st.integers(0, 2),
+    )
+    def submit(self, prompt, max_tokens, priority):
+        if len(prompt) + max_tokens > self.capacity:  # the engine rejects these at admission
+            return
+        seq = make_seq(prompt, max_tokens, priority)
+        self.sched.add(seq)
+        self.live.append(seq)
+
+    @rule()
+    def step(self):
+        out = self.sched.schedule()
+        check_step(self.sched, out)
+        if self.live and not out.chunks:
+            assert not self.sched.has_work
+        for seq in fake_step(self.sched, out):
+            self.live.remove(seq)
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        if not self.live:
+            return
+        seq = data.draw(st.sampled_from(self.live))
+        self.sched.remove(seq)
+        self.live.remove(seq)
+
+    @invariant()
+    def pool_consistent(self):
+        if hasattr(self, "sched"):
+            self.sched.block_manager.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        run_to_completion(self.sched)
+        bm = self.sched.block_manager
+        assert bm.num_used_blocks == 0
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
