@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ def make_workload(args: argparse.Namespace) -> Workload:
     return Workload(prompts, output_lens)
 
 
-def run_pagedserve(args: argparse.Namespace, work: Workload) -> float:
+def run_pagedserve(args: argparse.Namespace, work: Workload) -> list[float]:
     llm = LLM(
         args.model,
         device=args.device,
@@ -66,15 +67,17 @@ def run_pagedserve(args: argparse.Namespace, work: Workload) -> float:
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens
     ]
     llm.generate(work.prompts[:2], params[:2])  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(work.prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == work.output_tokens, (produced, work.output_tokens)
-    return elapsed
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        outputs = llm.generate(work.prompts, params, use_tqdm=True)
+        times.append(time.perf_counter() - start)
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert produced == work.output_tokens, (produced, work.output_tokens)
+    return times
 
 
-def run_transformers(args: argparse.Namespace, work: Workload) -> float:
+def run_transformers(args: argparse.Namespace, work: Workload) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(args.model)
@@ -97,9 +100,12 @@ def run_transformers(args: argparse.Namespace, work: Workload) -> float:
             attention_mask=mask[:2],
             **{**gen, "max_new_tokens": 4, "min_new_tokens": 4},
         )
-        start = time.perf_counter()
-        model.generate(input_ids=input_ids, attention_mask=mask, **gen)
-        return time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            model.generate(input_ids=input_ids, attention_mask=mask, **gen)
+            times.append(time.perf_counter() - start)
+        return times
 
 
 def main() -> None:
@@ -118,6 +124,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs of each engine; the median counts"
+    )
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()
@@ -126,7 +135,8 @@ def main() -> None:
     print(
         f"workload: {len(work.prompts)} prompts, {work.prompt_tokens} prompt tokens, {work.output_tokens} output tokens"
     )
-    elapsed = run_pagedserve(args, work)
+    times = run_pagedserve(args, work)
+    elapsed = statistics.median(times)
     result = {
         "command": " ".join(sys.argv),
         "commit": subprocess.run(
@@ -139,16 +149,21 @@ def main() -> None:
             "prompt_tokens": work.prompt_tokens,
             "output_tokens": work.output_tokens,
         },
-        "pagedserve_s": round(elapsed, 2),
+        "pagedserve_runs_s": [round(t, 2) for t in times],
         "pagedserve_tok_s": round(work.output_tokens / elapsed, 1),
     }
-    print(f"pagedserve:   {elapsed:8.2f} s  {result['pagedserve_tok_s']:9.1f} output tok/s")
+    print(
+        f"pagedserve:   {elapsed:8.2f} s  {result['pagedserve_tok_s']:9.1f} output tok/s (median of {len(times)})"
+    )
     if args.compare_transformers:
-        hf = run_transformers(args, work)
-        result["transformers_s"] = round(hf, 2)
+        hf_times = run_transformers(args, work)
+        hf = statistics.median(hf_times)
+        result["transformers_runs_s"] = [round(t, 2) for t in hf_times]
         result["transformers_tok_s"] = round(work.output_tokens / hf, 1)
         result["ratio"] = round(hf / elapsed, 2)
-        print(f"transformers: {hf:8.2f} s  {result['transformers_tok_s']:9.1f} output tok/s")
+        print(
+            f"transformers: {hf:8.2f} s  {result['transformers_tok_s']:9.1f} output tok/s (median of {len(hf_times)})"
+        )
         print(f"ratio pagedserve / transformers: {result['ratio']:.2f}x")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
