@@ -62,6 +62,8 @@ def run_pagedserve(args: argparse.Namespace, work: Workload) -> list[float]:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        # Each repeat sends the same prompts: it must not reuse the previous run's KV.
+        enable_prefix_caching=False,
     )
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens

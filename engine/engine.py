@@ -214,10 +214,14 @@ class LLMEngine:
             seq.num_computed_tokens = chunk.end
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, chunk.end)
         for i, lps in result.prompt_logprobs.items():
-            request = sched.chunks[i].seq.request
+            chunk = sched.chunks[i]
+            request = chunk.seq.request
             if request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob
-            request.prompt_logprobs.extend(lps)
+            # lps[j] is for prompt position chunk.start + 1 + j; a prefill recomputed after
+            # preemption covers positions that already have theirs.
+            done = len(request.prompt_logprobs)
+            request.prompt_logprobs.extend(lps[done - (chunk.start + 1) :])
 
         # Fork new candidates before any token lands: a parent that finishes on its first
         # token frees its blocks, and the children must have taken their share by then.

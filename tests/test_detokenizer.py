@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from tests.test_tokenizer import build_tiny_sentencepiece_gguf
+from tests.tiny_models import build_tiny_sentencepiece_gguf
 
 SMOLLM2_VOCAB_SIZE = 49152
 

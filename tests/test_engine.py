@@ -251,3 +251,43 @@ def test_duplicate_live_request_id(llm):
     assert err.value.field == "request_id"
     llm.engine.abort_request("dup")
     assert_pool_empty(llm)
+
+
+def test_bfloat16_on_cpu_tracks_float32(tiny_llama, llm):
+    bf16 = LLM(str(tiny_llama), num_blocks=64, block_size=4, dtype="bfloat16")
+    assert bf16.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=16, lo=24, hi=24)[0]
+    params = SamplingParams(max_tokens=1, logprobs=5, prompt_logprobs=0, **GREEDY)
+    ref = llm.generate([prompt], params)[0]
+    got = bf16.generate([prompt], params)[0]
+    ref_lp = torch.tensor([p.logprob for p in ref.prompt_logprobs[1:]])
+    got_lp = torch.tensor([p.logprob for p in got.prompt_logprobs[1:]])
+    assert ((got_lp - ref_lp).norm() / ref_lp.norm()).item() < 2e-2
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert_pool_empty(bf16)
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama, llm):
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompts(1, vocab, seed=17, lo=30, hi=30)[0]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY)
+    expected = llm.generate([prompt], params)[0].prompt_logprobs
+
+    # 10 blocks of 4 tokens: the high-priority request grows towards 10 blocks while the
+    # prompt-logprobs one (8 blocks, prefilled 3 tokens a step) must give way mid-prefill.
+    small = LLM(str(tiny_llama), num_blocks=10, block_size=4, max_num_batched_tokens=4)
+    engine = small.engine
+    engine.add_request("hi", prompt[:8], SamplingParams(max_tokens=30, **GREEDY), priority=1)
+    engine.step()
+    engine.add_request("lp", prompt, params)
+    events = []
+    while engine.has_unfinished_requests:
+        events.extend(engine.step())
+    assert engine.scheduler.num_preemptions > 0
+    got = next(e.prompt_logprobs for e in events if e.request_id == "lp" and e.prompt_logprobs)
+    assert len(got) == len(prompt) == len(expected)
+    assert [(p.token_id, round(p.logprob, 4)) for p in got[1:]] == [
+        (p.token_id, round(p.logprob, 4)) for p in expected[1:]
+    ]
+    assert_pool_empty(small)

@@ -182,20 +182,25 @@ def test_token_by_token_decode_matches(tiny):
     assert rel_error(ours, expected) < TOLERANCE
 
 
-def test_greedy_generation_matches_transformers(tiny):
-    model, config, reference = tiny
-    prompt = prompt_ids(config.vocab_size, 20, seed=3)
-    ours = PagedRunner(model, config).greedy(0, prompt, 32, config.eos_token_ids)
+def hf_greedy(reference, prompt: list[int], max_new_tokens: int, eos_ids, pad_token_id: int):
+    """transformers' greedy continuation of one prompt (new token ids only)."""
     with torch.inference_mode():
         generated = reference.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=32,
+            max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=list(config.eos_token_ids),
-            pad_token_id=0,
+            eos_token_id=list(eos_ids),
+            pad_token_id=pad_token_id,
         )
-    assert ours == generated[0, len(prompt) :].tolist()
+    return generated[0, len(prompt) :].tolist()
+
+
+def test_greedy_generation_matches_transformers(tiny):
+    model, config, reference = tiny
+    prompt = prompt_ids(config.vocab_size, 20, seed=3)
+    ours = PagedRunner(model, config).greedy(0, prompt, 32, config.eos_token_ids)
+    assert ours == hf_greedy(reference, prompt, 32, config.eos_token_ids, pad_token_id=0)
     assert len(ours) > 1
 
 
@@ -360,13 +365,7 @@ def test_smollm2_matches_transformers_gguf_loading(smollm2_ours, smollm2_referen
         assert rel_error(ours, expected) < TOLERANCE
 
         generated = runner.greedy(seq_id, prompt, 32, config.eos_token_ids)
-        with torch.inference_mode():
-            expected_ids = smollm2_reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=32,
-                do_sample=False,
-                eos_token_id=list(config.eos_token_ids),
-                pad_token_id=2,
-            )
-        assert generated == expected_ids[0, len(prompt) :].tolist()
+        expected_ids = hf_greedy(
+            smollm2_reference, prompt, 32, config.eos_token_ids, pad_token_id=2
+        )
+        assert generated == expected_ids

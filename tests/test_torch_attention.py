@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchPagedAttention
+from engine.attention.torch_backend import DECODE_GROUP_SIZE, TorchPagedAttention
 
 
 @dataclass
@@ -199,13 +199,14 @@ def test_non_finite_kv_never_reaches_the_pool_or_batch_mates():
     torch.testing.assert_close(out[1:].double(), clean[1:], rtol=1e-5, atol=1e-5)
 
 
-def test_decodes_share_one_sdpa_call(monkeypatch):
-    """Decodes of a step are batched; each prefill (or chunk) is its own call."""
+def test_decodes_batch_in_groups_of_similar_length(monkeypatch):
+    """Decodes are sorted by length and attended DECODE_GROUP_SIZE at a time, each group
+    padded only to its own longest sequence; each prefill (or chunk) is its own call."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def counting_sdpa(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].shape[0], args[1].shape[-2]))  # (batch, key length)
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
@@ -214,12 +215,17 @@ def test_decodes_share_one_sdpa_call(monkeypatch):
         SeqCase(0, 12),
         SeqCase(40, 1),
         SeqCase(3, 1),
+        SeqCase(100, 1),
         SeqCase(8, 4),
         SeqCase(0, 1),
+        SeqCase(20, 1),
     ]
     batch = make_batch(cases, 4, 2, 16, torch.float32, seed=11)
     out = TorchPagedAttention().forward(
         batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE
     )
-    assert len(calls) == 3  # four decodes together, then two prefills
+    assert DECODE_GROUP_SIZE == 4
+    # Decode lengths sorted: 1, 4, 10, 21 | 41, 101. Then the two prefills (12 and 12 keys).
+    assert calls[:2] == [(4, 21), (2, 101)]
+    assert len(calls) == 4
     torch.testing.assert_close(out.double(), expected_output(batch, SCALE), rtol=1e-5, atol=1e-5)

@@ -12,6 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models, pre_tokenizers, trainers
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 400
 
@@ -190,3 +194,45 @@ def _llama_cpp_permute(weights: Any, num_heads: int) -> Any:
         .swapaxes(1, 2)
         .reshape(weights.shape)
     )
+
+
+def build_tiny_sentencepiece_gguf(path: Path) -> Path:
+    """A tiny GGUF describing a SentencePiece-style vocabulary: <unk>/<s>/</s>, 256 byte tokens,
+    pieces learned in-process, one user-defined token; scores but no merges."""
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "hello world, hello there",
+        "tokenizers are fun to build",
+        "numbers 12345 and 678",
+    ] * 20
+    learner = BackendTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    learner.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    learned = sorted(learner.get_vocab().items(), key=lambda item: item[1])
+    pieces = [token for token, _ in learned if token not in ("<unk>", "<s>", "</s>")]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + ["<|user|>"]
+    token_types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4]
+    scores = [0.0] * 259 + [-float(rank) for rank in range(len(pieces))] + [0.0]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template("{% for m in messages %}<|user|>{{ m['content'] }}</s>{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

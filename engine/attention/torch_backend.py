@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
 
-
 DECODE_GROUP_SIZE = 4
 
 
