@@ -15,7 +15,3 @@ class ValidationError(EngineError, ValueError):
 
 class ModelLoadError(EngineError):
     """A model could not be found, parsed, or matched to its weights."""
-
-
-class CapacityError(EngineError):
-    """A request can never fit, e.g. it needs more KV blocks than the whole pool."""
