@@ -15,6 +15,7 @@ Math runs in float32 whatever the cache dtype.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,33 @@ from engine.attention.base import AttentionMetadata
 DECODE_GROUP_SIZE = 4
 
 
+@dataclass
+class DecodeGroup:
+    """Decoding sequences attended together, padded to the longest of them."""
+
+    rows: torch.Tensor  # int64 [G]: their query rows in the flat batch
+    block_table: torch.Tensor  # int64 [G * num_blocks]: their blocks, row after row
+    num_blocks: int  # per sequence, enough for max_len
+    max_len: int
+    key_valid: torch.Tensor  # bool [G, 1, 1, max_len]: False past a sequence's own length
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one step shares: computed on the first layer, reused by the rest."""
+
+    write_blocks: torch.Tensor  # where each new row's k/v go: block id and offset
+    write_offsets: torch.Tensor
+    write_rows: torch.Tensor | None  # rows to write when some are padding (slot -1), else None
+    decode_groups: list[DecodeGroup]
+    prefills: list[tuple[int, int, int]]  # (sequence, first row, end row)
+
+
 class TorchPagedAttention:
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+        self._planned_for: AttentionMetadata | None = None
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
@@ -34,48 +61,35 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.block_size)
+        if self._planned_for is not meta:
+            self._plan, self._planned_for = plan_step(meta), meta
+        plan = self._plan
+        write_kv_cache(k, v, kv_cache, plan)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
-        starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
-        # Decodes attend in groups of similar length, each padded only to its own longest
-        # sequence: a step that mixes short and long contexts then copies and attends far
-        # less padding, for a few more (cheap) calls.
-        decodes = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
-        decodes.sort(key=lambda i: meta.seq_lens_cpu[i])
-        for first in range(0, len(decodes), DECODE_GROUP_SIZE):
-            group = decodes[first : first + DECODE_GROUP_SIZE]
-            rows = [starts[i] for i in group]
-            out[rows] = self._decode(q[rows], kv_cache, meta, group, scale)
-        for i, q_len in enumerate(meta.query_lens_cpu):
-            if q_len > 1:
-                start, end = starts[i], starts[i + 1]
-                out[start:end] = self._prefill(q[start:end], kv_cache, meta, i, scale)
+        for group in plan.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
+        for seq, start, end in plan.prefills:
+            out[start:end] = self._prefill(q[start:end], kv_cache, meta, seq, scale)
         return out
 
     def _decode(
         self,
-        q: torch.Tensor,  # [B, Hq, D], one row per decoding sequence
+        q: torch.Tensor,  # [G, Hq, D], one row per decoding sequence
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        seqs: list[int],
+        group: DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
-        max_len = max(seq_lens)
-        keys, values = gather_kv(kv_cache, meta.block_tables[seqs], max_len, meta.block_size)
+        keys, values = gather_blocks(kv_cache, group.block_table, group.rows.numel(), group.max_len)
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
-        group = num_q_heads // num_kv_heads
-
+        heads_per_kv = num_q_heads // num_kv_heads
         # Past its own length a row holds stale KV of other sequences; the mask hides it.
         # That is safe because the pool only ever holds finite values (write_kv_cache).
-        lens = torch.tensor(seq_lens, device=q.device)
-        key_valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, L]
         out = F.scaled_dot_product_attention(
-            q.float().reshape(batch, num_kv_heads, group, head_dim),
-            keys.float().transpose(1, 2),  # [B, Hkv, L, D]
+            q.float().reshape(batch, num_kv_heads, heads_per_kv, head_dim),
+            keys.float().transpose(1, 2),  # [G, Hkv, L, D]
             values.float().transpose(1, 2),
-            attn_mask=key_valid[:, None, None, :],
+            attn_mask=group.key_valid,
             scale=scale,
         )
         return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
@@ -90,9 +104,9 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         q_len, num_q_heads, head_dim = q.shape
         seq_len = meta.seq_lens_cpu[seq]
-        keys, values = gather_kv(
-            kv_cache, meta.block_tables[seq : seq + 1], seq_len, meta.block_size
-        )
+        num_blocks = -(-seq_len // meta.block_size)
+        table = meta.block_tables[seq, :num_blocks].long()
+        keys, values = gather_blocks(kv_cache, table, 1, seq_len)
         num_kv_heads = keys.shape[2]
         group = num_q_heads // num_kv_heads
 
@@ -119,12 +133,52 @@ class TorchPagedAttention:
         return out.reshape(q_len, num_q_heads, head_dim).to(q.dtype)
 
 
+def plan_step(meta: AttentionMetadata) -> StepPlan:
+    device = meta.slot_mapping.device
+    slots = meta.slot_mapping
+    keep = slots >= 0
+    write_rows = None
+    if not bool(keep.all()):
+        write_rows = keep.nonzero().flatten()
+        slots = slots[write_rows]
+    starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
+
+    # Decodes attend in groups of similar length, each padded only to its own longest
+    # sequence: a step that mixes short and long contexts then copies and attends far
+    # less padding, for a few more (cheap) calls.
+    decodes = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    decodes.sort(key=lambda i: meta.seq_lens_cpu[i])
+    groups = []
+    for first in range(0, len(decodes), DECODE_GROUP_SIZE):
+        seqs = decodes[first : first + DECODE_GROUP_SIZE]
+        lens = [meta.seq_lens_cpu[i] for i in seqs]
+        max_len = max(lens)
+        num_blocks = -(-max_len // meta.block_size)
+        positions = torch.arange(max_len, device=device)
+        key_valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor([starts[i] for i in seqs], device=device),
+                block_table=meta.block_tables[seqs, :num_blocks].reshape(-1).long(),
+                num_blocks=num_blocks,
+                max_len=max_len,
+                key_valid=key_valid[:, None, None, :],
+            )
+        )
+    prefills = [
+        (i, starts[i], starts[i + 1]) for i, q_len in enumerate(meta.query_lens_cpu) if q_len > 1
+    ]
+    return StepPlan(
+        write_blocks=slots // meta.block_size,
+        write_offsets=slots % meta.block_size,
+        write_rows=write_rows,
+        decode_groups=groups,
+        prefills=prefills,
+    )
+
+
 def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_size: int,
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan
 ) -> None:
     """Store each row's k/v at its slot; rows with slot -1 are padding and go nowhere.
 
@@ -132,29 +186,21 @@ def write_kv_cache(
     numbers: masked-out stale slots then contribute exactly 0 to other sequences'
     attention (a stale nan or inf would turn 0 * x into nan).
     """
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    blocks = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = torch.nan_to_num(k).to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = torch.nan_to_num(v).to(kv_cache.dtype)
+    if plan.write_rows is not None:
+        k, v = k[plan.write_rows], v[plan.write_rows]
+    kv_cache[plan.write_blocks, 0, plan.write_offsets] = torch.nan_to_num(k).to(kv_cache.dtype)
+    kv_cache[plan.write_blocks, 1, plan.write_offsets] = torch.nan_to_num(v).to(kv_cache.dtype)
 
 
-def gather_kv(
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    length: int,
-    block_size: int,
+def gather_blocks(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, batch: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh copies of the keys and values of B sequences, each [B, length, Hkv, D], one
-    indexed read each. Past a sequence's own length they hold whatever its blocks held."""
-    num_blocks = -(-length // block_size)
-    table = block_tables[:, :num_blocks].reshape(-1)
-    batch = block_tables.shape[0]
+    """Fresh copies of the keys and values of `batch` sequences whose blocks are listed row
+    after row in the flat `block_table`, each [batch, length, Hkv, D]. Past a sequence's own
+    length they hold whatever its blocks held."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     # index_select copies whole blocks; on the CPU it is ~4x faster than advanced indexing.
-    keys = torch.index_select(kv_cache[:, 0], 0, table)  # [B * num_blocks, block_size, Hkv, D]
-    values = torch.index_select(kv_cache[:, 1], 0, table)
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    keys = torch.index_select(kv_cache[:, 0], 0, block_table)  # [batch * blocks, bs, Hkv, D]
+    values = torch.index_select(kv_cache[:, 1], 0, block_table)
+    shape = (batch, -1, num_kv_heads, head_dim)
     return keys.view(shape)[:, :length], values.view(shape)[:, :length]
