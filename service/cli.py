@@ -93,6 +93,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import engine_config_from_flat
+    from engine.engine import LLMEngine
+    from service.server import ServerConfig, serve
+
+    engine = LLMEngine(engine_config_from_flat(**engine_settings(args)))
+    async_engine = AsyncEngine(engine, args.max_queued_requests)
+    async_engine.start()
+    config = ServerConfig(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        max_queued_requests=args.max_queued_requests,
+        drain_seconds=args.drain_seconds,
+    )
+    asyncio.run(serve(async_engine, engine.model_path.name, config))
+    return 0
+
+
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from engine.model_store import pull_default_model
 
@@ -130,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per output")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the gRPC server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--grpc-port", type=int, default=50051)
+    srv.add_argument("--max-queued-requests", type=int, default=1024)
+    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="the local model cache")
     models_sub = models.add_subparsers(dest="models_command", required=True)

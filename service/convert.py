@@ -1,0 +1,170 @@
+"""Protobuf messages <-> engine types. Pure functions; validation of values is the engine's
+(SamplingParams.validate), shape errors of the message itself are raised here."""
+
+from __future__ import annotations
+
+from pagedserve.v1 import inference_pb2 as pb
+
+from engine.errors import ValidationError
+from engine.outputs import CandidateEvent, FinishReason, RequestTiming, TokenLogprob, Usage
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.CONTEXT_LIMIT: pb.FINISH_REASON_CONTEXT_LIMIT,
+}
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    """The request's options as SamplingParams; unset fields keep the engine's defaults."""
+    s, stop, out = request.sampling, request.stopping, request.output
+    params = SamplingParams(
+        stop=list(stop.stop),
+        stop_token_ids=list(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+        include_stop_str_in_output=stop.include_stop_str,
+    )
+    for message, names in (
+        (
+            s,
+            (
+                "n",
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "seed",
+            ),
+        ),
+        (stop, ("max_tokens", "min_tokens")),
+        (out, ("logprobs", "prompt_logprobs", "skip_special_tokens")),
+    ):
+        for name in names:
+            if message.HasField(name):
+                setattr(params, name, getattr(message, name))
+    return params
+
+
+def prompt_token_ids(
+    request: pb.GenerateRequest | pb.TokenizeRequest,
+    tokenizer: Tokenizer,
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """Token ids of the prompt, whichever of text / chat / token_ids the request carries."""
+    kind = request.WhichOneof("prompt" if isinstance(request, pb.GenerateRequest) else "input")
+    if kind is None:
+        raise ValidationError("prompt", "set one of text, chat or token_ids")
+    if kind == "text":
+        return tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return list(request.token_ids.ids)
+
+
+def token_logprobs(
+    items: list[TokenLogprob | None] | None, tokenizer: Tokenizer
+) -> list[pb.TokenLogprob]:
+    result = []
+    for item in items or []:
+        if item is None:
+            continue
+        result.append(
+            pb.TokenLogprob(
+                token_id=item.token_id,
+                logprob=item.logprob,
+                token=tokenizer.id_to_token(item.token_id) or "",
+                top=[
+                    pb.TopLogprob(token_id=t, logprob=lp, token=tokenizer.id_to_token(t) or "")
+                    for t, lp in item.top
+                ],
+            )
+        )
+    return result
+
+
+def usage(value: Usage | None) -> pb.Usage | None:
+    if value is None:
+        return None
+    return pb.Usage(
+        prompt_tokens=value.prompt_tokens,
+        completion_tokens=value.completion_tokens,
+        cached_tokens=value.cached_tokens,
+    )
+
+
+def timing(value: RequestTiming | None) -> pb.Timing | None:
+    if value is None:
+        return None
+    queue = (value.first_scheduled - value.arrival) if value.first_scheduled else 0.0
+    ttft = (value.first_token - value.arrival) if value.first_token else 0.0
+    total = (value.finished - value.arrival) if value.finished else 0.0
+    return pb.Timing(queue_seconds=queue, ttft_seconds=ttft, total_seconds=total)
+
+
+def set_matched_stop(
+    message: pb.Candidate | pb.GenerateStreamResponse, stop: str | int | None
+) -> None:
+    if isinstance(stop, str):
+        message.stop_string = stop
+    elif isinstance(stop, int):
+        message.stop_token_id = stop
+
+
+def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateStreamResponse:
+    message = pb.GenerateStreamResponse(
+        request_id=event.request_id,
+        index=event.index,
+        text=event.text,
+        token_ids=event.token_ids,
+        logprobs=token_logprobs(event.logprobs, tokenizer),
+        prompt_logprobs=token_logprobs(event.prompt_logprobs, tokenizer),
+    )
+    if event.finished:
+        message.finish_reason = _FINISH_REASONS[event.finish_reason]
+        set_matched_stop(message, event.matched_stop)
+        message.error = event.error or ""
+        if event.usage is not None:
+            message.usage.CopyFrom(usage(event.usage))
+        if event.timing is not None:
+            message.timing.CopyFrom(timing(event.timing))
+    return message
+
+
+def generate_response(
+    request_id: str, n: int, events: list[CandidateEvent], tokenizer: Tokenizer
+) -> pb.GenerateResponse:
+    candidates = [pb.Candidate(index=i) for i in range(n)]
+    response = pb.GenerateResponse(request_id=request_id)
+    completion = cached = prompt = 0
+    for event in events:
+        candidate = candidates[event.index]
+        candidate.text += event.text
+        candidate.token_ids.extend(event.token_ids)
+        candidate.logprobs.extend(token_logprobs(event.logprobs, tokenizer))
+        if event.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(token_logprobs(event.prompt_logprobs, tokenizer))
+        if event.finished:
+            candidate.finish_reason = _FINISH_REASONS[event.finish_reason]
+            set_matched_stop(candidate, event.matched_stop)
+            candidate.error = event.error or ""
+            if event.usage is not None:
+                prompt = event.usage.prompt_tokens
+                completion += event.usage.completion_tokens
+                cached = max(cached, event.usage.cached_tokens)
+            if event.timing is not None:
+                response.timing.CopyFrom(timing(event.timing))
+    response.candidates.extend(candidates)
+    response.usage.CopyFrom(
+        pb.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    )
+    return response

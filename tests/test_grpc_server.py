@@ -1,0 +1,194 @@
+"""The real grpc.aio server on a loopback port, driven only through the generated stubs."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
+
+from engine.async_engine import AsyncEngine
+from engine.config import engine_config_from_flat
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from service.server import SERVICE_NAME, ServerConfig, build_server
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("grpc-tiny"), "llama")
+
+
+@pytest.fixture
+async def server(tiny_model):
+    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4))
+    engine = AsyncEngine(core, max_queued_requests=64)
+    engine.start()
+    srv, _, port = await build_server(engine, "tiny", ServerConfig(grpc_port=0))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield inference_pb2_grpc.InferenceStub(channel), channel, core
+    await channel.close()
+    await srv.stop(None)
+    engine.shutdown(timeout=5)
+    assert core.block_manager.num_used_blocks == 0
+
+
+def greedy(max_tokens: int) -> dict:
+    return dict(
+        sampling=pb.SamplingOptions(temperature=0.0),
+        stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+async def test_generate_equals_offline_engine(server, tiny_model):
+    stub, _, _ = server
+    response = await stub.Generate(pb.GenerateRequest(text="hello world", **greedy(12)))
+    offline = LLM(str(tiny_model), num_blocks=64, block_size=4).generate(
+        ["hello world"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )[0]
+    (candidate,) = response.candidates
+    assert list(candidate.token_ids) == offline.outputs[0].token_ids
+    assert candidate.text == offline.outputs[0].text
+    assert candidate.finish_reason == pb.FINISH_REASON_LENGTH
+    assert response.usage.completion_tokens == 12
+    assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert response.request_id  # generated when the client sends none
+
+
+async def test_stream_deltas_add_up_to_unary_result(server):
+    stub, _, _ = server
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]), **greedy(10))
+    request.sampling.n = 2
+    unary = await stub.Generate(request)
+    texts, finals = {0: "", 1: ""}, {}
+    async for message in stub.StreamGenerate(request):
+        texts[message.index] += message.text
+        if message.finish_reason:
+            finals[message.index] = message
+    assert set(finals) == {0, 1}
+    for c in unary.candidates:
+        assert texts[c.index] == c.text
+        assert finals[c.index].usage.completion_tokens == 10
+
+
+async def test_invalid_argument_names_the_field(server):
+    stub, _, _ = server
+    request = pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(top_p=1.5))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Generate(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_p" in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Generate(pb.GenerateRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt" in err.value.details()
+
+
+async def test_cancel_rpc_ends_stream_and_frees_blocks(server):
+    stub, _, core = server
+    request = pb.GenerateRequest(request_id="to-cancel", text="abc", **greedy(400))
+    reasons = []
+    async for message in stub.StreamGenerate(request):
+        if not message.finish_reason and not reasons:
+            reasons.append("started")
+            answer = await stub.Cancel(pb.CancelRequest(request_id="to-cancel"))
+            assert answer.cancelled
+        if message.finish_reason:
+            reasons.append(message.finish_reason)
+    assert reasons[-1] == pb.FINISH_REASON_CANCELLED
+    assert not (await stub.Cancel(pb.CancelRequest(request_id="to-cancel"))).cancelled
+    assert "to-cancel" not in core.requests
+
+
+async def test_deadline_cancels_engine_request(server):
+    stub, _, core = server
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Generate(
+            pb.GenerateRequest(request_id="slow", text="abc", **greedy(500)), timeout=0.3
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        if "slow" not in core.requests:
+            break
+        await __import__("asyncio").sleep(0.02)
+    assert "slow" not in core.requests
+
+
+async def test_tokenize_model_info_health_and_reflection(server):
+    stub, channel, core = server
+    tokens = await stub.Tokenize(pb.TokenizeRequest(text="hello", add_special_tokens=False))
+    assert list(tokens.token_ids) == core.tokenizer.encode("hello", add_special_tokens=False)
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.architecture == "LlamaForCausalLM" and info.kv_num_blocks == 128
+    assert info.max_context_length == core.max_model_len
+    health_stub = health_pb2_grpc.HealthStub(channel)
+    for name in ("", SERVICE_NAME):
+        status = await health_stub.Check(health_pb2.HealthCheckRequest(service=name))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    reflection_stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = reflection_stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = [s.name async for r in responses for s in r.list_services_response.service]
+    assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+
+
+def test_pagedserve_serve_process_answers_and_exits_cleanly_on_sigterm(tiny_model):
+    """`pagedserve serve` as a real process: ready via health, answers, drains on SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--model",
+            str(tiny_model),
+            "--grpc-port",
+            str(port),
+            "--num-blocks",
+            "64",
+            "--drain-seconds",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health_stub = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                status = health_stub.Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1
+                )
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "server never became ready"
+            time.sleep(0.2)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        response = stub.Generate(pb.GenerateRequest(text="hi", **greedy(4)), timeout=30)
+        assert len(response.candidates[0].token_ids) == 4
+        channel.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
