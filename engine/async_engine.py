@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -31,30 +32,68 @@ class EngineStopped(EngineError):
     """The engine is shutting down or its loop has died."""
 
 
+class StreamOverflow(EngineError):
+    """A consumer fell so far behind that a candidate's mailbox filled up."""
+
+
 @dataclass
 class RequestStream:
-    """Events of one request, in order; iteration ends when every candidate has finished."""
+    """Events of one request, each candidate's in order; iteration ends when every candidate
+    has finished.
+
+    Each candidate has a bounded mailbox for its step events and a separate slot for its
+    final event, so a full mailbox can never swallow how a candidate ended. A step event
+    that finds its mailbox full means the consumer stopped keeping up: the request is
+    cancelled (through on_overflow) and iteration raises StreamOverflow. Only this request
+    pays; the engine never waits for a consumer.
+    """
 
     request_id: str
     n: int
-    _queue: asyncio.Queue[CandidateEvent] = field(default_factory=asyncio.Queue)
-    _finished: set[int] = field(default_factory=set)
+    mailbox_size: int = 256
+    on_overflow: Callable[[], None] = lambda: None
+    _mailboxes: list[deque[CandidateEvent]] = field(default_factory=list)
+    _finals: dict[int, CandidateEvent] = field(default_factory=dict)
+    _done: set[int] = field(default_factory=set)
+    _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    _overflowed: bool = False
+
+    def __post_init__(self) -> None:
+        self._mailboxes = [deque() for _ in range(self.n)]
 
     def _push(self, events: list[CandidateEvent]) -> None:
         for event in events:
-            self._queue.put_nowait(event)
+            if event.finished:
+                self._finals.setdefault(event.index, event)  # a late duplicate is ignored
+            elif len(self._mailboxes[event.index]) < self.mailbox_size:
+                self._mailboxes[event.index].append(event)
+            elif not self._overflowed:
+                self._overflowed = True
+                self.on_overflow()
+        self._wakeup.set()
 
     def __aiter__(self) -> AsyncIterator[CandidateEvent]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[CandidateEvent]:
-        while len(self._finished) < self.n:
-            event = await self._queue.get()
-            if event.index in self._finished:
-                continue  # a late duplicate final (the loop died after it finished)
-            if event.finished:
-                self._finished.add(event.index)
-            yield event
+        while len(self._done) < self.n:
+            if self._overflowed:
+                raise StreamOverflow(
+                    f"request {self.request_id}: the consumer fell behind by "
+                    f"{self.mailbox_size} events; the request was cancelled"
+                )
+            self._wakeup.clear()
+            progressed = False
+            for index, mailbox in enumerate(self._mailboxes):
+                while mailbox:
+                    progressed = True
+                    yield mailbox.popleft()
+                if index in self._finals and index not in self._done:
+                    self._done.add(index)
+                    progressed = True
+                    yield self._finals[index]
+            if not progressed:
+                await self._wakeup.wait()
 
 
 @dataclass
@@ -74,8 +113,9 @@ class _Cancel:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024):
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, mailbox_size: int = 256):
         self.engine = engine
+        self.mailbox_size = mailbox_size
         self._inbox: queue.Queue[_Submit | _Cancel] = queue.Queue(maxsize=max_queued_requests)
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._stop = threading.Event()
@@ -104,7 +144,9 @@ class AsyncEngine:
         if self._stop.is_set() or self.fatal_error is not None:
             raise EngineStopped("the engine loop is stopped")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, params.n)
+        stream = RequestStream(
+            request_id, params.n, self.mailbox_size, lambda: self.cancel(request_id)
+        )
         admitted = loop.create_future()
         try:
             self._inbox.put_nowait(

@@ -21,7 +21,13 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 
-from engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, RequestStream
+from engine.async_engine import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineStopped,
+    RequestStream,
+    StreamOverflow,
+)
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent
 from service import convert
@@ -51,8 +57,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id, n, stream = await self._submit(request, context)
         events: list[CandidateEvent] = []
         async with _cancel_unless_finished(self.engine, request_id) as finished:
-            async for event in stream:
-                events.append(event)
+            try:
+                async for event in stream:
+                    events.append(event)
+            except StreamOverflow as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             finished.set()
         return convert.generate_response(request_id, n, events, self.tokenizer)
 
@@ -61,8 +70,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         request_id, _, stream = await self._submit(request, context)
         async with _cancel_unless_finished(self.engine, request_id) as finished:
-            async for event in stream:
-                yield convert.stream_message(event, self.tokenizer)
+            try:
+                async for event in stream:
+                    yield convert.stream_message(event, self.tokenizer)
+            except StreamOverflow as exc:  # this client stopped reading; it alone fails
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             finished.set()
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:

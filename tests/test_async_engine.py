@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineOverloaded
+from engine.async_engine import AsyncEngine, EngineOverloaded, RequestStream, StreamOverflow
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.errors import ValidationError
-from engine.outputs import FinishReason
+from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_model
 
@@ -100,3 +100,37 @@ async def test_full_queue_is_refused_fast_and_queued_requests_still_run(engine):
     finally:
         ae.shutdown(timeout=5)
     assert "q-over" not in engine.requests
+
+
+def step_event(index: int, token: int) -> CandidateEvent:
+    return CandidateEvent("r", index, f"t{token}", [token])
+
+
+def final_event(index: int) -> CandidateEvent:
+    return CandidateEvent("r", index, "", [], finish_reason=FinishReason.LENGTH)
+
+
+async def test_full_mailbox_fails_only_that_stream():
+    overflows = []
+    stream = RequestStream("r", 2, mailbox_size=4, on_overflow=lambda: overflows.append(1))
+    stream._push([step_event(0, t) for t in range(6)])  # two more than the mailbox holds
+    stream._push([step_event(0, 9)])
+    assert overflows == [1]  # the request is cancelled once
+    with pytest.raises(StreamOverflow, match="fell behind by 4 events"):
+        async for _ in stream:
+            pass
+
+
+async def test_final_event_is_never_swallowed_by_a_full_mailbox():
+    stream = RequestStream("r", 2, mailbox_size=3, on_overflow=lambda: pytest.fail("overflow"))
+    stream._push([step_event(0, t) for t in range(3)] + [final_event(0)])
+    stream._push([step_event(1, 7), final_event(1), final_event(1)])  # a late duplicate too
+    seen = [(e.index, e.token_ids, e.finished) async for e in stream]
+    assert seen == [
+        (0, [0], False),
+        (0, [1], False),
+        (0, [2], False),
+        (0, [], True),
+        (1, [7], False),
+        (1, [], True),
+    ]
