@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+import grpc
+
 from engine.errors import EngineError
 
 
@@ -114,6 +116,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_client_generate(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToJson
+
+    from clients.client import InferenceClient
+    from pagedserve.v1 import inference_pb2 as pb
+
+    request = pb.GenerateRequest(
+        text=args.prompt,
+        sampling=pb.SamplingOptions(temperature=args.temperature),
+        stopping=pb.StoppingOptions(max_tokens=args.max_tokens),
+    )
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    with InferenceClient(args.target) as client:
+        if args.stream:
+            for message in client.stream(request, timeout=args.timeout):
+                print(message.text, end="", flush=True)
+            print()
+        else:
+            response = client.generate(request, timeout=args.timeout)
+            print(MessageToJson(response) if args.json else response.candidates[0].text)
+    return 0
+
+
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from engine.model_store import pull_default_model
 
@@ -160,6 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-seconds", type=float, default=30.0)
     srv.set_defaults(func=cmd_serve)
 
+    client = sub.add_parser("client", help="call a running server")
+    client_sub = client.add_subparsers(dest="client_command", required=True)
+    cgen = client_sub.add_parser("generate", help="Generate / StreamGenerate one prompt")
+    cgen.add_argument("--target", default="localhost:50051")
+    cgen.add_argument("--prompt", required=True)
+    cgen.add_argument("--max-tokens", type=int, default=64)
+    cgen.add_argument("--temperature", type=float, default=0.0)
+    cgen.add_argument("--seed", type=int, default=None)
+    cgen.add_argument("--stream", action="store_true")
+    cgen.add_argument("--json", action="store_true", help="the whole response as JSON")
+    cgen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    cgen.set_defaults(func=cmd_client_generate)
+
     models = sub.add_parser("models", help="the local model cache")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     pull = models_sub.add_parser("pull", help="fetch the embedded default model into the cache")
@@ -179,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
+    except grpc.RpcError as exc:
+        print(f"pagedserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from pagedserve.v1 import inference_pb2 as pb
-
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestTiming, TokenLogprob, Usage
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from pagedserve.v1 import inference_pb2 as pb
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pagedserve.v1 import inference_pb2 as pb
-from pagedserve.v1 import inference_pb2_grpc
 
 from engine.async_engine import (
     AsyncEngine,
@@ -30,6 +28,8 @@ from engine.async_engine import (
 )
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
 from service import convert
 
 log = logging.getLogger(__name__)

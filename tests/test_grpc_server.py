@@ -6,14 +6,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pagedserve.v1 import inference_pb2 as pb
-from pagedserve.v1 import inference_pb2_grpc
 
 from engine.async_engine import AsyncEngine
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
 from service.server import SERVICE_NAME, ServerConfig, build_server
 from tests.tiny_models import write_tiny_model
 
@@ -30,7 +30,7 @@ async def server(tiny_model):
     engine.start()
     srv, _, port = await build_server(engine, "tiny", ServerConfig(grpc_port=0))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield inference_pb2_grpc.InferenceStub(channel), channel, core
+    yield inference_pb2_grpc.InferenceStub(channel), channel, core, f"127.0.0.1:{port}"
     await channel.close()
     await srv.stop(None)
     engine.shutdown(timeout=5)
@@ -45,7 +45,7 @@ def greedy(max_tokens: int) -> dict:
 
 
 async def test_generate_equals_offline_engine(server, tiny_model):
-    stub, _, _ = server
+    stub, _, _, _ = server
     response = await stub.Generate(pb.GenerateRequest(text="hello world", **greedy(12)))
     offline = LLM(str(tiny_model), num_blocks=64, block_size=4).generate(
         ["hello world"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -60,7 +60,7 @@ async def test_generate_equals_offline_engine(server, tiny_model):
 
 
 async def test_stream_deltas_add_up_to_unary_result(server):
-    stub, _, _ = server
+    stub, _, _, _ = server
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]), **greedy(10))
     request.sampling.n = 2
     unary = await stub.Generate(request)
@@ -76,7 +76,7 @@ async def test_stream_deltas_add_up_to_unary_result(server):
 
 
 async def test_invalid_argument_names_the_field(server):
-    stub, _, _ = server
+    stub, _, _, _ = server
     request = pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(top_p=1.5))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Generate(request)
@@ -89,7 +89,7 @@ async def test_invalid_argument_names_the_field(server):
 
 
 async def test_cancel_rpc_ends_stream_and_frees_blocks(server):
-    stub, _, core = server
+    stub, _, core, _ = server
     request = pb.GenerateRequest(request_id="to-cancel", text="abc", **greedy(400))
     reasons = []
     async for message in stub.StreamGenerate(request):
@@ -105,7 +105,7 @@ async def test_cancel_rpc_ends_stream_and_frees_blocks(server):
 
 
 async def test_deadline_cancels_engine_request(server):
-    stub, _, core = server
+    stub, _, core, _ = server
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Generate(
             pb.GenerateRequest(request_id="slow", text="abc", **greedy(500)), timeout=0.3
@@ -119,7 +119,7 @@ async def test_deadline_cancels_engine_request(server):
 
 
 async def test_tokenize_model_info_health_and_reflection(server):
-    stub, channel, core = server
+    stub, channel, core, _ = server
     tokens = await stub.Tokenize(pb.TokenizeRequest(text="hello", add_special_tokens=False))
     assert list(tokens.token_ids) == core.tokenizer.encode("hello", add_special_tokens=False)
     info = await stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -139,6 +139,7 @@ async def test_tokenize_model_info_health_and_reflection(server):
 
 def test_pagedserve_serve_process_answers_and_exits_cleanly_on_sigterm(tiny_model):
     """`pagedserve serve` as a real process: ready via health, answers, drains on SIGTERM."""
+    import json
     import signal
     import socket
     import subprocess
@@ -187,8 +188,83 @@ def test_pagedserve_serve_process_answers_and_exits_cleanly_on_sigterm(tiny_mode
         response = stub.Generate(pb.GenerateRequest(text="hi", **greedy(4)), timeout=30)
         assert len(response.candidates[0].token_ids) == 4
         channel.close()
+        client = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "client",
+                "generate",
+                "--json",
+                "--target",
+                f"127.0.0.1:{port}",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "5",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert client.returncode == 0, client.stderr
+        assert len(json.loads(client.stdout)["candidates"][0]["tokenIds"]) == 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_async_client_round_trip(server):
+    from clients.client import AsyncInferenceClient
+
+    _, _, core, target = server
+    async with AsyncInferenceClient(target) as client:
+        info = await client.model_info()
+        assert info.vocab_size == core.model_config.vocab_size
+        request = pb.GenerateRequest(text="hello", **greedy(6))
+        unary = await client.generate(request, timeout=30)
+        streamed = "".join([m.text async for m in client.stream(request, timeout=30)])
+        assert streamed == unary.candidates[0].text
+        assert await client.tokenize("hello", add_special_tokens=False) == core.tokenizer.encode(
+            "hello", add_special_tokens=False
+        )
+        assert not await client.cancel("nothing-by-this-id")
+
+
+async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
+    import asyncio
+
+    from clients.client import AsyncInferenceClient, InferenceClient, RetryPolicy
+
+    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
+    engine = AsyncEngine(core, max_queued_requests=1)  # not started: the queue stays full
+    srv, _, port = await build_server(engine, "tiny", ServerConfig(grpc_port=0))
+    target = f"127.0.0.1:{port}"
+    try:
+        async with AsyncInferenceClient(target) as client:
+            first = asyncio.ensure_future(
+                client.generate(pb.GenerateRequest(text="a", **greedy(2)))
+            )
+            await asyncio.sleep(0.2)  # the first request now occupies the only queue slot
+            no_retry = AsyncInferenceClient(target, RetryPolicy(attempts=1))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await no_retry.generate(pb.GenerateRequest(text="b", **greedy(2)))
+            await no_retry.close()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("retry-after-ms", "250") in tuple(err.value.trailing_metadata())
+
+            asyncio.get_running_loop().call_later(0.5, engine.start)
+            retried = await client.generate(pb.GenerateRequest(text="c", **greedy(2)), timeout=30)
+            assert len(retried.candidates[0].token_ids) == 2
+            assert len((await first).candidates[0].token_ids) == 2
+        sync_client = InferenceClient(target)
+        response = await asyncio.to_thread(
+            sync_client.generate, pb.GenerateRequest(text="d", **greedy(3)), 30
+        )
+        sync_client.close()
+        assert len(response.candidates[0].token_ids) == 3
+    finally:
+        await srv.stop(None)
+        engine.shutdown(timeout=5)

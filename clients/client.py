@@ -1,0 +1,148 @@
+"""Python clients for pagedserve over the generated stubs: async and sync, same surface.
+
+Both retry RESOURCE_EXHAUSTED (queue full) and UNAVAILABLE (starting, draining) with
+exponential backoff, waiting at least the server's `retry-after-ms` hint. A streaming
+call is retried only before its first message arrives, so no output is ever repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
+
+RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4  # tries in all, the first included
+    initial_backoff: float = 0.1  # seconds; doubles each retry, with jitter
+    max_backoff: float = 2.0
+
+    def delay(self, attempt: int, error: grpc.RpcError) -> float:
+        backoff = min(self.max_backoff, self.initial_backoff * 2**attempt)
+        backoff *= 0.5 + random.random() / 2
+        for key, value in error.trailing_metadata() or ():
+            if key == "retry-after-ms":
+                backoff = max(backoff, int(value) / 1000)
+        return backoff
+
+    def should_retry(self, attempt: int, error: grpc.RpcError) -> bool:
+        return attempt + 1 < self.attempts and error.code() in RETRYABLE
+
+
+class AsyncInferenceClient:
+    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy()):
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        self._retry = retry
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def generate(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> pb.GenerateResponse:
+        for attempt in range(self._retry.attempts):
+            try:
+                return await self._stub.Generate(request, timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                if not self._retry.should_retry(attempt, error):
+                    raise
+                await asyncio.sleep(self._retry.delay(attempt, error))
+        raise AssertionError("unreachable")
+
+    async def stream(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        for attempt in range(self._retry.attempts):
+            received = False
+            try:
+                async for message in self._stub.StreamGenerate(request, timeout=timeout):
+                    received = True
+                    yield message
+                return
+            except grpc.aio.AioRpcError as error:
+                if received or not self._retry.should_retry(attempt, error):
+                    raise
+                await asyncio.sleep(self._retry.delay(attempt, error))
+
+    async def cancel(self, request_id: str) -> bool:
+        answer = await self._stub.Cancel(pb.CancelRequest(request_id=request_id))
+        return answer.cancelled
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._stub.Tokenize(request)).token_ids)
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest())
+
+
+class InferenceClient:
+    """The blocking twin of AsyncInferenceClient, for scripts and threads."""
+
+    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy()):
+        self._channel = grpc.insecure_channel(target)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        self._retry = retry
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def generate(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> pb.GenerateResponse:
+        for attempt in range(self._retry.attempts):
+            try:
+                return self._stub.Generate(request, timeout=timeout)
+            except grpc.RpcError as error:
+                if not self._retry.should_retry(attempt, error):
+                    raise
+                time.sleep(self._retry.delay(attempt, error))
+        raise AssertionError("unreachable")
+
+    def stream(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        for attempt in range(self._retry.attempts):
+            received = False
+            try:
+                for message in self._stub.StreamGenerate(request, timeout=timeout):
+                    received = True
+                    yield message
+                return
+            except grpc.RpcError as error:
+                if received or not self._retry.should_retry(attempt, error):
+                    raise
+                time.sleep(self._retry.delay(attempt, error))
+
+    def cancel(self, request_id: str) -> bool:
+        return self._stub.Cancel(pb.CancelRequest(request_id=request_id)).cancelled
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._stub.Tokenize(request).token_ids)
+
+    def model_info(self) -> pb.ModelInfo:
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest())
