@@ -44,14 +44,15 @@ class RequestStream:
     Each candidate has a bounded mailbox for its step events and a separate slot for its
     final event, so a full mailbox can never swallow how a candidate ended. A step event
     that finds its mailbox full means the consumer stopped keeping up: the request is
-    cancelled (through on_overflow) and iteration raises StreamOverflow. Only this request
-    pays; the engine never waits for a consumer.
+    cancelled and iteration raises StreamOverflow. Only this request pays; the engine never
+    waits for a consumer. A consumer that stops iterating before the end (it left the loop,
+    was cancelled, hit its deadline) cancels the request too.
     """
 
     request_id: str
     n: int
     mailbox_size: int = 256
-    on_overflow: Callable[[], None] = lambda: None
+    cancel: Callable[[], None] = lambda: None  # aborts the request in the engine
     _mailboxes: list[deque[CandidateEvent]] = field(default_factory=list)
     _finals: dict[int, CandidateEvent] = field(default_factory=dict)
     _done: set[int] = field(default_factory=set)
@@ -69,31 +70,35 @@ class RequestStream:
                 self._mailboxes[event.index].append(event)
             elif not self._overflowed:
                 self._overflowed = True
-                self.on_overflow()
+                self.cancel()
         self._wakeup.set()
 
     def __aiter__(self) -> AsyncIterator[CandidateEvent]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[CandidateEvent]:
-        while len(self._done) < self.n:
-            if self._overflowed:
-                raise StreamOverflow(
-                    f"request {self.request_id}: the consumer fell behind by "
-                    f"{self.mailbox_size} events; the request was cancelled"
-                )
-            self._wakeup.clear()
-            progressed = False
-            for index, mailbox in enumerate(self._mailboxes):
-                while mailbox:
-                    progressed = True
-                    yield mailbox.popleft()
-                if index in self._finals and index not in self._done:
-                    self._done.add(index)
-                    progressed = True
-                    yield self._finals[index]
-            if not progressed:
-                await self._wakeup.wait()
+        try:
+            while len(self._done) < self.n:
+                if self._overflowed:
+                    raise StreamOverflow(
+                        f"request {self.request_id}: the consumer fell behind by "
+                        f"{self.mailbox_size} events; the request was cancelled"
+                    )
+                self._wakeup.clear()
+                progressed = False
+                for index, mailbox in enumerate(self._mailboxes):
+                    while mailbox:
+                        progressed = True
+                        yield mailbox.popleft()
+                    if index in self._finals and index not in self._done:
+                        self._done.add(index)
+                        progressed = True
+                        yield self._finals[index]
+                if not progressed:
+                    await self._wakeup.wait()
+        finally:
+            if len(self._done) < self.n:
+                self.cancel()  # idempotent: a finished or unknown request is left alone
 
 
 @dataclass
@@ -172,14 +177,8 @@ class AsyncEngine:
     ) -> AsyncIterator[CandidateEvent]:
         """Submit and iterate; leaving the loop early (or being cancelled) aborts the request."""
         stream = await self.submit(request_id, prompt_token_ids, params, priority)
-        finished = False
-        try:
-            async for event in stream:
-                yield event
-            finished = True
-        finally:
-            if not finished:
-                self.cancel(request_id)
+        async for event in stream:
+            yield event
 
     # ---- the engine thread -------------------------------------------------------------
 

@@ -109,7 +109,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host,
         grpc_port=args.grpc_port,
-        max_queued_requests=args.max_queued_requests,
         drain_seconds=args.drain_seconds,
     )
     asyncio.run(serve(async_engine, engine.model_path.name, config))

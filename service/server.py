@@ -42,7 +42,6 @@ RETRY_AFTER_MS = "250"
 class ServerConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
-    max_queued_requests: int = 1024
     max_message_bytes: int = 16 * 1024 * 1024
     drain_seconds: float = 30.0
 
@@ -56,26 +55,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         request_id, n, stream = await self._submit(request, context)
         events: list[CandidateEvent] = []
-        async with _cancel_unless_finished(self.engine, request_id) as finished:
-            try:
-                async for event in stream:
-                    events.append(event)
-            except StreamOverflow as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            finished.set()
+        try:
+            async for event in stream:  # leaving early, by any door, cancels the request
+                events.append(event)
+        except StreamOverflow as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return convert.generate_response(request_id, n, events, self.tokenizer)
 
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        request_id, _, stream = await self._submit(request, context)
-        async with _cancel_unless_finished(self.engine, request_id) as finished:
-            try:
-                async for event in stream:
-                    yield convert.stream_message(event, self.tokenizer)
-            except StreamOverflow as exc:  # this client stopped reading; it alone fails
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            finished.set()
+        _, _, stream = await self._submit(request, context)
+        try:
+            async for event in stream:  # leaving early, by any door, cancels the request
+                yield convert.stream_message(event, self.tokenizer)
+        except StreamOverflow as exc:  # this client stopped reading; it alone fails
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         live = request.request_id in self.engine.engine.requests
@@ -131,22 +126,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except EngineStopped as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return request_id, params.n, stream
-
-
-class _cancel_unless_finished:
-    """Cancel the engine request when the handler leaves before the stream ended: client
-    gone, RPC cancelled, deadline passed, or an error while sending."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str):
-        self.engine, self.request_id = engine, request_id
-        self.finished = asyncio.Event()
-
-    async def __aenter__(self) -> asyncio.Event:
-        return self.finished
-
-    async def __aexit__(self, *exc_info) -> None:
-        if not self.finished.is_set():
-            self.engine.cancel(self.request_id)
 
 
 async def build_server(

@@ -112,7 +112,7 @@ def final_event(index: int) -> CandidateEvent:
 
 async def test_full_mailbox_fails_only_that_stream():
     overflows = []
-    stream = RequestStream("r", 2, mailbox_size=4, on_overflow=lambda: overflows.append(1))
+    stream = RequestStream("r", 2, mailbox_size=4, cancel=lambda: overflows.append(1))
     stream._push([step_event(0, t) for t in range(6)])  # two more than the mailbox holds
     stream._push([step_event(0, 9)])
     assert overflows == [1]  # the request is cancelled once
@@ -122,7 +122,7 @@ async def test_full_mailbox_fails_only_that_stream():
 
 
 async def test_final_event_is_never_swallowed_by_a_full_mailbox():
-    stream = RequestStream("r", 2, mailbox_size=3, on_overflow=lambda: pytest.fail("overflow"))
+    stream = RequestStream("r", 2, mailbox_size=3, cancel=lambda: pytest.fail("cancelled"))
     stream._push([step_event(0, t) for t in range(3)] + [final_event(0)])
     stream._push([step_event(1, 7), final_event(1), final_event(1)])  # a late duplicate too
     seen = [(e.index, e.token_ids, e.finished) async for e in stream]
