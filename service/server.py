@@ -43,7 +43,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     max_message_bytes: int = 16 * 1024 * 1024
-    drain_seconds: float = 30.0
+    max_queued_requests: int = 1024  # the engine's bounded request queue
+    mailbox_size: int = 256  # events a candidate may have unread before its stream fails
+    drain_seconds: float = 30.0  # grace for in-flight requests after SIGTERM
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+    trace_exporter: str = "none"  # none | console | otlp
+    otlp_endpoint: str | None = None  # e.g. http://collector:4317 (otlp only)
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
