@@ -13,46 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import random
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.workload import (  # noqa: E402
+    Workload,
+    WorkloadSpec,
+    add_workload_args,
+    make_workload,
+    run_info,
+)
 from engine.llm import LLM  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(args: argparse.Namespace) -> Workload:
-    rng = random.Random(args.seed)
-    prompts = [
-        [rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_in, args.max_in))]
-        for _ in range(args.num_prompts)
-    ]
-    output_lens = [rng.randint(args.min_out, args.max_out) for _ in range(args.num_prompts)]
-    return Workload(prompts, output_lens)
 
 
 def run_pagedserve(args: argparse.Namespace, work: Workload) -> list[float]:
@@ -117,13 +96,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--min-in", type=int, default=16)
-    p.add_argument("--max-in", type=int, default=256)
-    p.add_argument("--min-out", type=int, default=16)
-    p.add_argument("--max-out", type=int, default=128)
-    p.add_argument("--max-token-id", type=int, default=10000)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
@@ -133,24 +106,16 @@ def main() -> None:
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()
 
-    work = make_workload(args)
+    work = make_workload(WorkloadSpec.from_args(args))
     print(
         f"workload: {len(work.prompts)} prompts, {work.prompt_tokens} prompt tokens, {work.output_tokens} output tokens"
     )
     times = run_pagedserve(args, work)
     elapsed = statistics.median(times)
     result = {
-        "command": " ".join(sys.argv),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-        "torch": torch.__version__,
-        "workload": {
-            "prompts": len(work.prompts),
-            "prompt_tokens": work.prompt_tokens,
-            "output_tokens": work.output_tokens,
-        },
+        **run_info(),
+        "torch_threads": torch.get_num_threads(),
+        "workload": work.describe(),
         "pagedserve_runs_s": [round(t, 2) for t in times],
         "pagedserve_tok_s": round(work.output_tokens / elapsed, 1),
     }

@@ -4,6 +4,8 @@ The engine thread owns every piece of engine state. asyncio callers talk to it
 through one bounded inbox (submit, cancel) and get events back through a per-request
 RequestStream that the thread fills with loop.call_soon_threadsafe. A full inbox is
 refused at once (EngineOverloaded), so a burst can never grow memory without bound.
+Load and counters go the other way as an immutable EngineStats that the thread publishes
+by swapping one reference (`AsyncEngine.stats`), so readers need no lock.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.engine import LLMEngine
 from engine.errors import EngineError
 from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal_error: BaseException | None = None
+        self.stats: EngineStats = engine.stats()  # replaced, never mutated, by the engine thread
 
     def start(self) -> None:
         self._thread.start()
@@ -186,8 +190,10 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests)
-                if self.engine.has_unfinished_requests:
-                    self._dispatch(self.engine.step())
+                events = self.engine.step() if self.engine.has_unfinished_requests else []
+                # Published before dispatch: whoever saw a step's events sees stats at least that new.
+                self.stats = self.engine.stats()
+                self._dispatch(events)
         except BaseException as exc:  # the loop died: fail everyone still waiting
             log.exception("engine loop died")
             self.fatal_error = exc

@@ -25,6 +25,7 @@ from engine.request import Request, Sequence, SequenceStatus
 from engine.runner import ModelRunner, SampleRow, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -90,6 +91,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        # Cumulative work counters (EngineStats). Prompt tokens count what was computed:
+        # prefix-cache hits are not, a prompt recomputed after preemption is again, and
+        # recomputed output tokens count in neither.
+        self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
 
     # ---- admission -------------------------------------------------------------------
 
@@ -186,12 +193,30 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def stats(self) -> EngineStats:
+        """A snapshot of load and counters; call it on the thread that steps the engine."""
+        num_running = len({id(seq.request) for seq in self.scheduler.running})
+        bm = self.block_manager
+        return EngineStats(
+            num_running_requests=num_running,
+            num_waiting_requests=len(self.requests) - num_running,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_total=bm.num_blocks,
+            prefix_cache_queried_tokens=bm.prefix_cache_stats.queried_tokens,
+            prefix_cache_hit_tokens=bm.prefix_cache_stats.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+        )
+
     # ---- one step ---------------------------------------------------------------------
 
     def step(self) -> list[CandidateEvent]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.num_steps += 1
         now = time.monotonic()
         for chunk in sched.chunks:
             timing = chunk.seq.request.timing
@@ -212,6 +237,9 @@ class LLMEngine:
         for chunk in sched.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
+            self.num_prompt_tokens_computed += max(
+                0, min(chunk.end, seq.num_prompt_tokens) - chunk.start
+            )
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, chunk.end)
         for i, lps in result.prompt_logprobs.items():
             chunk = sched.chunks[i]
@@ -229,6 +257,7 @@ class LLMEngine:
             (self._fork(seq, fork_index) if fork_index is not None else seq, sampled)
             for (seq, fork_index), sampled in zip(row_seqs, result.sampled)
         ]
+        self.num_generated_tokens += len(targets)
         return [self._append_token(seq, s.token_id, s.logprob) for seq, s in targets]
 
     def _sample_rows(

@@ -9,10 +9,11 @@ the engine request, which returns all its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -26,8 +27,11 @@ from engine.async_engine import (
     RequestStream,
     StreamOverflow,
 )
-from engine.errors import ValidationError
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent
+from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert
@@ -53,47 +57,88 @@ class ServerConfig:
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str):
-        self.engine = engine
-        self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
+    """The RPCs. Until a warm engine is attached (and again once draining) they answer
+    UNAVAILABLE, so a client retries elsewhere instead of waiting on a cold pod."""
+
+    def __init__(self) -> None:
+        self.engine: AsyncEngine | None = None
+        self.model_name = ""
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def attach(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation is in flight; False if the timeout came first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    @contextlib.contextmanager
+    def _in_flight_call(self) -> Iterator[None]:
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _engine(self, context) -> AsyncEngine:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading; retry later")
+        return self.engine
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        request_id, n, stream = await self._submit(request, context)
-        events: list[CandidateEvent] = []
-        try:
-            async for event in stream:  # leaving early, by any door, cancels the request
-                events.append(event)
-        except StreamOverflow as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        return convert.generate_response(request_id, n, events, self.tokenizer)
+        with self._in_flight_call():
+            engine = await self._engine(context)
+            request_id, n, stream = await self._submit(engine, request, context)
+            events: list[CandidateEvent] = []
+            try:
+                async for event in stream:  # leaving early, by any door, cancels the request
+                    events.append(event)
+            except StreamOverflow as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return convert.generate_response(request_id, n, events, engine.engine.tokenizer)
 
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        _, _, stream = await self._submit(request, context)
-        try:
-            async for event in stream:  # leaving early, by any door, cancels the request
-                yield convert.stream_message(event, self.tokenizer)
-        except StreamOverflow as exc:  # this client stopped reading; it alone fails
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        with self._in_flight_call():
+            engine = await self._engine(context)
+            _, _, stream = await self._submit(engine, request, context)
+            tokenizer = engine.engine.tokenizer
+            try:
+                async for event in stream:  # leaving early, by any door, cancels the request
+                    yield convert.stream_message(event, tokenizer)
+            except StreamOverflow as exc:  # this client stopped reading; it alone fails
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        if self.engine is None:  # a draining server still cancels: that only frees work
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading; retry later")
         live = request.request_id in self.engine.engine.requests
         self.engine.cancel(request.request_id)
         return pb.CancelResponse(cancelled=live)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        tokenizer = (await self._engine(context)).engine.tokenizer
         try:
-            ids = convert.prompt_token_ids(request, self.tokenizer, request.add_special_tokens)
+            ids = convert.prompt_token_ids(request, tokenizer, request.add_special_tokens)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(
-            token_ids=ids, tokens=[self.tokenizer.id_to_token(i) or "" for i in ids]
-        )
+        return pb.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(i) or "" for i in ids])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        core = self.engine.engine
+        core = (await self._engine(context)).engine
         cache = core.config.cache
         return pb.ModelInfo(
             name=self.model_name,
@@ -104,10 +149,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             kv_block_size=cache.block_size,
             kv_num_blocks=core.block_manager.num_blocks,
             kv_capacity_tokens=core.pool_tokens,
-            has_chat_template=self.tokenizer.has_chat_template,
+            has_chat_template=core.tokenizer.has_chat_template,
         )
 
-    async def _submit(self, request: pb.GenerateRequest, context) -> tuple[str, int, RequestStream]:
+    async def _submit(
+        self, engine: AsyncEngine, request: pb.GenerateRequest, context
+    ) -> tuple[str, int, RequestStream]:
         """Validate, tokenize and queue; aborts the RPC with the right status on failure."""
         request_id = request.request_id or uuid.uuid4().hex
         try:
@@ -117,8 +164,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     f"model: {request.model!r} is not served here (this server serves {self.model_name!r})",
                 )
             params = convert.sampling_params(request)
-            token_ids = convert.prompt_token_ids(request, self.tokenizer)
-            stream = await self.engine.submit(request_id, token_ids, params, request.priority)
+            token_ids = convert.prompt_token_ids(request, engine.engine.tokenizer)
+            stream = await engine.submit(request_id, token_ids, params, request.priority)
         except ValidationError as exc:
             code = (
                 grpc.StatusCode.ALREADY_EXISTS
@@ -134,37 +181,85 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return request_id, params.n, stream
 
 
-async def build_server(
-    engine: AsyncEngine, model_name: str, config: ServerConfig
-) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A started server; returns it, its health servicer and the bound port."""
+@dataclass
+class Server:
+    """A started gRPC server: liveness SERVING at once, readiness once a warm engine is set."""
+
+    grpc_server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    service: InferenceService
+    port: int
+
+    async def set_ready(self, engine: AsyncEngine, model_name: str) -> None:
+        self.service.attach(engine, model_name)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self, grace_seconds: float) -> bool:
+        """Readiness off and new generations refused at once (UNAVAILABLE), then wait for
+        in-flight ones; True if they all finished within the grace period. Health and
+        Cancel keep answering meanwhile."""
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.service.draining = True
+        return await self.service.wait_idle(grace_seconds)
+
+    async def stop(self) -> None:
+        await self.grpc_server.stop(None)
+
+
+async def start_server(config: ServerConfig) -> Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
-    server = grpc.aio.server(options=options)
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(engine, model_name), server)
+    grpc_server = grpc.aio.server(options=options)
+    service = InferenceService()
+    inference_pb2_grpc.add_InferenceServicer_to_server(service, grpc_server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-    await server.start()
+    port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    await grpc_server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    return server, health_servicer, port
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return Server(grpc_server, health_servicer, service, port)
 
 
-async def serve(engine: AsyncEngine, model_name: str, config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain: readiness off, in-flight requests finish."""
-    server, health_servicer, port = await build_server(engine, model_name, config)
-    log.info("serving %s on %s:%d", model_name, config.host, port)
+def load_engine(engine_config: EngineConfig, config: ServerConfig) -> AsyncEngine:
+    core = LLMEngine(engine_config)
+    engine = AsyncEngine(core, config.max_queued_requests, config.mailbox_size)
+    engine.start()
+    return engine
+
+
+async def warm_up(engine: AsyncEngine) -> None:
+    """One request through prefill and decode, so the first real one pays no first-call costs."""
+    prompt = engine.engine.tokenizer.encode("Hello") or [0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    async for event in engine.generate(f"warm-up-{uuid.uuid4().hex}", prompt, params):
+        if event.error:
+            raise ModelLoadError(f"warm-up request failed: {event.error}")
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: readiness off, new work refused, in-flight
+    requests finish within config.drain_seconds, exit."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    server = await start_server(config)
+    log.info("gRPC on %s:%d; loading the model", config.host, server.port)
+    # Off the loop, so health checks are answered (NOT_SERVING) while the model loads.
+    engine = await asyncio.to_thread(load_engine, engine_config, config)
+    await warm_up(engine)
+    model_name = engine.engine.model_path.name
+    await server.set_ready(engine, model_name)
+    log.info("serving %s on %s:%d", model_name, config.host, server.port)
     await stop.wait()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(config.drain_seconds)
+    log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)
+    if not await server.drain(config.drain_seconds):
+        log.warning("drain grace period over; cancelling the requests still running")
+    await server.stop()
     engine.shutdown(timeout=5)

@@ -14,7 +14,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import SERVICE_NAME, ServerConfig, build_server
+from service.server import SERVICE_NAME, ServerConfig, start_server
 from tests.tiny_models import write_tiny_model
 
 
@@ -28,11 +28,12 @@ async def server(tiny_model):
     core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4))
     engine = AsyncEngine(core, max_queued_requests=64)
     engine.start()
-    srv, _, port = await build_server(engine, "tiny", ServerConfig(grpc_port=0))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield inference_pb2_grpc.InferenceStub(channel), channel, core, f"127.0.0.1:{port}"
+    srv = await start_server(ServerConfig(grpc_port=0))
+    await srv.set_ready(engine, "tiny")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    yield inference_pb2_grpc.InferenceStub(channel), channel, core, f"127.0.0.1:{srv.port}"
     await channel.close()
-    await srv.stop(None)
+    await srv.stop()
     engine.shutdown(timeout=5)
     assert core.block_manager.num_used_blocks == 0
 
@@ -240,8 +241,9 @@ async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
 
     core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
     engine = AsyncEngine(core, max_queued_requests=1)  # not started: the queue stays full
-    srv, _, port = await build_server(engine, "tiny", ServerConfig(grpc_port=0))
-    target = f"127.0.0.1:{port}"
+    srv = await start_server(ServerConfig(grpc_port=0))
+    await srv.set_ready(engine, "tiny")
+    target = f"127.0.0.1:{srv.port}"
     try:
         async with AsyncInferenceClient(target) as client:
             first = asyncio.ensure_future(
@@ -266,5 +268,57 @@ async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
         sync_client.close()
         assert len(response.candidates[0].token_ids) == 3
     finally:
-        await srv.stop(None)
+        await srv.stop()
         engine.shutdown(timeout=5)
+
+
+async def test_readiness_follows_the_engine_and_drain_refuses_new_work(tiny_model):
+    """NOT_SERVING until an engine is attached, SERVING, then NOT_SERVING on drain while
+    liveness stays SERVING; new work gets UNAVAILABLE but the stream in flight finishes."""
+    import asyncio
+
+    srv = await start_server(ServerConfig(grpc_port=0))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    health_stub = health_pb2_grpc.HealthStub(channel)
+
+    async def health(name: str) -> int:
+        return (await health_stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+
+    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
+    engine = AsyncEngine(core)
+    try:
+        assert await health("") == health_pb2.HealthCheckResponse.SERVING
+        assert await health(SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(pb.GenerateRequest(text="a", **greedy(2)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "loading" in err.value.details()
+
+        engine.start()
+        await srv.set_ready(engine, "tiny")
+        assert await health(SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+
+        in_flight = stub.StreamGenerate(pb.GenerateRequest(text="b", **greedy(40)))
+        first = await in_flight.read()
+        assert first.token_ids
+        drained = asyncio.ensure_future(srv.drain(grace_seconds=30))
+        await asyncio.sleep(0.05)
+        assert await health(SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await health("") == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(pb.GenerateRequest(text="c", **greedy(2)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in err.value.details()
+        assert not drained.done()
+        rest = []
+        while (message := await in_flight.read()) is not grpc.aio.EOF:
+            rest.append(message)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 40
+        assert await drained  # every in-flight request finished inside the grace period
+    finally:
+        await channel.close()
+        await srv.stop()
+        engine.shutdown(timeout=5)
+    assert core.block_manager.num_used_blocks == 0

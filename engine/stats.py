@@ -1,0 +1,33 @@
+"""EngineStats: an immutable snapshot of the engine's load and its cumulative counters.
+
+The engine thread builds one (LLMEngine.stats) after every loop iteration and AsyncEngine
+publishes it by swapping a single reference, so a reader on another thread (a metrics
+scrape) never touches live engine state and never sees a half-updated snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running_requests: int  # requests with at least one candidate in the running batch
+    num_waiting_requests: int  # admitted, unfinished, none running (new or preempted)
+    num_kv_blocks_used: int  # referenced by a live sequence; cached-but-free blocks are not
+    num_kv_blocks_total: int
+    prefix_cache_queried_tokens: int  # cumulative: prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # cumulative: of those, tokens whose KV was reused
+    num_preemptions: int  # cumulative
+    num_prompt_tokens_computed: int  # cumulative: prompt positions run through the model
+    num_generated_tokens: int  # cumulative: tokens sampled, every candidate counted
+    num_steps: int  # cumulative: model steps run
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks_total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
