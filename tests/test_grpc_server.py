@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -89,6 +91,69 @@ async def test_invalid_argument_names_the_field(server):
     assert "prompt" in err.value.details()
 
 
+INVALID_REQUESTS = [  # (field the message must name, request)
+    ("n", dict(text="x", sampling=pb.SamplingOptions(n=0))),
+    ("n", dict(text="x", sampling=pb.SamplingOptions(n=65))),
+    ("temperature", dict(text="x", sampling=pb.SamplingOptions(temperature=-1))),
+    ("temperature", dict(text="x", sampling=pb.SamplingOptions(temperature=float("nan")))),
+    ("top_k", dict(text="x", sampling=pb.SamplingOptions(top_k=-2))),
+    ("top_p", dict(text="x", sampling=pb.SamplingOptions(top_p=0))),
+    ("min_p", dict(text="x", sampling=pb.SamplingOptions(min_p=1.5))),
+    ("repetition_penalty", dict(text="x", sampling=pb.SamplingOptions(repetition_penalty=0))),
+    ("presence_penalty", dict(text="x", sampling=pb.SamplingOptions(presence_penalty=2.5))),
+    ("frequency_penalty", dict(text="x", sampling=pb.SamplingOptions(frequency_penalty=-3))),
+    ("max_tokens", dict(text="x", stopping=pb.StoppingOptions(max_tokens=0))),
+    ("max_tokens", dict(text="x", stopping=pb.StoppingOptions(max_tokens=10**6))),
+    ("min_tokens", dict(text="x", stopping=pb.StoppingOptions(max_tokens=4, min_tokens=5))),
+    ("stop", dict(text="x", stopping=pb.StoppingOptions(stop=[""]))),
+    ("stop", dict(text="x", stopping=pb.StoppingOptions(stop=["s"] * 65))),
+    ("stop_token_ids", dict(text="x", stopping=pb.StoppingOptions(stop_token_ids=[10**6]))),
+    ("logprobs", dict(text="x", output=pb.OutputOptions(logprobs=21))),
+    ("prompt_logprobs", dict(text="x", output=pb.OutputOptions(prompt_logprobs=21))),
+    ("prompt_token_ids", dict(token_ids=pb.TokenIds(ids=[1, 10**6]))),
+    ("prompt", dict(token_ids=pb.TokenIds(ids=[]))),
+    ("prompt", dict(token_ids=pb.TokenIds(ids=[1] * 600))),
+    ("prompt", dict()),
+    ("messages", dict(chat=pb.ChatMessages(messages=[]))),
+]
+
+
+@pytest.mark.parametrize(
+    "field,fields", INVALID_REQUESTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID_REQUESTS)]
+)
+async def test_every_invalid_field_is_invalid_argument_naming_it(server, field, fields):
+    stub, _, core, _ = server
+    for call in (stub.Generate, stub.StreamGenerate):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            response = call(pb.GenerateRequest(**fields))
+            if call is stub.StreamGenerate:
+                [m async for m in response]
+            else:
+                await response
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert not core.requests and core.block_manager.num_used_blocks == 0
+
+
+async def test_unknown_model_and_duplicate_request_id(server):
+    stub, _, core, _ = server
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Generate(pb.GenerateRequest(text="x", model="other-model"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "model" in err.value.details()
+    live = stub.StreamGenerate(pb.GenerateRequest(request_id="dup", text="x", **greedy(200)))
+    await live.read()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Generate(pb.GenerateRequest(request_id="dup", text="y", **greedy(2)))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert err.value.details().startswith("request_id:")
+    live.cancel()  # the client leaves: the server cancels the engine request
+    for _ in range(200):
+        if "dup" not in core.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert "dup" not in core.requests
+
+
 async def test_cancel_rpc_ends_stream_and_frees_blocks(server):
     stub, _, core, _ = server
     request = pb.GenerateRequest(request_id="to-cancel", text="abc", **greedy(400))
@@ -115,7 +180,7 @@ async def test_deadline_cancels_engine_request(server):
     for _ in range(100):
         if "slow" not in core.requests:
             break
-        await __import__("asyncio").sleep(0.02)
+        await asyncio.sleep(0.02)
     assert "slow" not in core.requests
 
 
@@ -235,8 +300,6 @@ async def test_async_client_round_trip(server):
 
 
 async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
-    import asyncio
-
     from clients.client import AsyncInferenceClient, InferenceClient, RetryPolicy
 
     core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
@@ -275,7 +338,6 @@ async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
 async def test_readiness_follows_the_engine_and_drain_refuses_new_work(tiny_model):
     """NOT_SERVING until an engine is attached, SERVING, then NOT_SERVING on drain while
     liveness stays SERVING; new work gets UNAVAILABLE but the stream in flight finishes."""
-    import asyncio
 
     srv = await start_server(ServerConfig(grpc_port=0))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
@@ -322,3 +384,46 @@ async def test_readiness_follows_the_engine_and_drain_refuses_new_work(tiny_mode
         await srv.stop()
         engine.shutdown(timeout=5)
     assert core.block_manager.num_used_blocks == 0
+
+
+async def test_a_client_that_stops_reading_fails_alone(tiny_model):
+    """HTTP/2 flow control stalls the server's writes to a client that stops reading; its
+    mailbox fills, the engine cancels its request and frees its blocks, and another client's
+    request meanwhile runs to the end. The slow client finds RESOURCE_EXHAUSTED when it
+    finally reads."""
+    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4))
+    engine = AsyncEngine(core, mailbox_size=4)
+    engine.start()
+    srv = await start_server(ServerConfig(grpc_port=0))
+    await srv.set_ready(engine, "tiny")
+    target = f"127.0.0.1:{srv.port}"
+    # A tiny receive window that never grows, so the server's writes block quickly.
+    slow_channel = grpc.aio.insecure_channel(
+        target, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    )
+    channel = grpc.aio.insecure_channel(target)
+    try:
+        slow = inference_pb2_grpc.InferenceStub(slow_channel).StreamGenerate(
+            pb.GenerateRequest(request_id="slow", token_ids=pb.TokenIds(ids=[5]), **greedy(480))
+        )
+        await slow.initial_metadata()
+        for _ in range(500):
+            if "slow" not in core.requests:
+                break
+            await asyncio.sleep(0.02)
+        assert "slow" not in core.requests  # cancelled in the engine without a single read
+        other = await inference_pb2_grpc.InferenceStub(channel).Generate(
+            pb.GenerateRequest(text="fine", **greedy(100))
+        )
+        assert len(other.candidates[0].token_ids) == 100
+        assert core.block_manager.num_used_blocks == 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await slow.read() is not grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "fell behind" in err.value.details()
+    finally:
+        await slow_channel.close()
+        await channel.close()
+        await srv.stop()
+        engine.shutdown(timeout=5)
