@@ -76,29 +76,33 @@ class RequestStream:
                 self.cancel()
         self._wakeup.set()
 
+    def _next_event(self) -> CandidateEvent | None:
+        """The next event to hand out: a candidate's step events, then its final one."""
+        if self._overflowed:  # checked before every event: what is left was never read
+            raise StreamOverflow(
+                f"request {self.request_id}: the consumer fell behind by "
+                f"{self.mailbox_size} events; the request was cancelled"
+            )
+        for index, mailbox in enumerate(self._mailboxes):
+            if mailbox:
+                return mailbox.popleft()
+            if index in self._finals and index not in self._done:
+                self._done.add(index)
+                return self._finals[index]
+        return None
+
     def __aiter__(self) -> AsyncIterator[CandidateEvent]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[CandidateEvent]:
         try:
             while len(self._done) < self.n:
-                if self._overflowed:
-                    raise StreamOverflow(
-                        f"request {self.request_id}: the consumer fell behind by "
-                        f"{self.mailbox_size} events; the request was cancelled"
-                    )
-                self._wakeup.clear()
-                progressed = False
-                for index, mailbox in enumerate(self._mailboxes):
-                    while mailbox:
-                        progressed = True
-                        yield mailbox.popleft()
-                    if index in self._finals and index not in self._done:
-                        self._done.add(index)
-                        progressed = True
-                        yield self._finals[index]
-                if not progressed:
+                event = self._next_event()
+                if event is None:
+                    self._wakeup.clear()  # no await since the check: no push can be missed
                     await self._wakeup.wait()
+                else:
+                    yield event
         finally:
             if len(self._done) < self.n:
                 self.cancel()  # idempotent: a finished or unknown request is left alone
@@ -123,8 +127,10 @@ class _Cancel:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, mailbox_size: int = 256):
         self.engine = engine
+        self.max_queued_requests = max_queued_requests
         self.mailbox_size = mailbox_size
-        self._inbox: queue.Queue[_Submit | _Cancel] = queue.Queue(maxsize=max_queued_requests)
+        # Unbounded so a cancel is never refused; submit() bounds the requests it lets in.
+        self._inbox: queue.Queue[_Submit | _Cancel] = queue.Queue()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -156,17 +162,23 @@ class AsyncEngine:
         stream = RequestStream(
             request_id, params.n, self.mailbox_size, lambda: self.cancel(request_id)
         )
-        admitted = loop.create_future()
-        try:
-            self._inbox.put_nowait(
-                _Submit(request_id, prompt_token_ids, params, priority, stream, admitted, loop)
-            )
-        except queue.Full:
+        if self.num_queued >= self.max_queued_requests:
             raise EngineOverloaded(
-                f"request queue is full ({self._inbox.maxsize} waiting); retry later"
-            ) from None
+                f"request queue is full ({self.max_queued_requests} waiting); retry later"
+            )
+        admitted = loop.create_future()
+        self._inbox.put(
+            _Submit(request_id, prompt_token_ids, params, priority, stream, admitted, loop)
+        )
         await admitted
         return stream
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not running yet: in the inbox (cancels counted too, which
+        errs on the safe side) or admitted and waiting for the scheduler. The waiting count
+        is the engine thread's last snapshot, republished after every inbox drain."""
+        return self._inbox.qsize() + self.stats.num_waiting_requests
 
     def cancel(self, request_id: str) -> None:
         """Abort a request from any thread; its final events say CANCELLED. Idempotent."""
@@ -191,7 +203,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests)
                 events = self.engine.step() if self.engine.has_unfinished_requests else []
-                # Published before dispatch: whoever saw a step's events sees stats at least that new.
+                # Published before dispatch: who saw a step's events sees stats at least as new.
                 self.stats = self.engine.stats()
                 self._dispatch(events)
         except BaseException as exc:  # the loop died: fail everyone still waiting
@@ -209,6 +221,7 @@ class AsyncEngine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                self.stats = self.engine.stats()  # admitted requests now count as waiting
                 return
 
     def _handle(self, item: _Submit | _Cancel) -> None:

@@ -116,14 +116,7 @@ class LLMEngine:
             return self.tokenizer.encode(text, add_special_tokens=False)
         if prompt is not None:
             return self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValidationError(
-                    "prompt_token_ids", f"token {i} is {t!r}, expected an integer in [0, {vocab})"
-                )
-        return ids
+        return list(prompt_token_ids)  # add_request checks every id against the vocabulary
 
     def add_request(
         self,
@@ -138,6 +131,12 @@ class LLMEngine:
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise ValidationError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValidationError(
+                    "prompt_token_ids", f"token {i} is {t!r}, expected an integer in [0, {vocab})"
+                )
         limit = self.max_model_len
         if n_prompt >= limit:
             raise ValidationError(

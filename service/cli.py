@@ -1,67 +1,50 @@
-"""The `pagedserve` command line: generate offline, manage the model cache."""
+"""The `pagedserve` command line: generate offline, serve, call a server, manage the model cache.
+
+Settings (engine, server, logging) come from flags, env vars and a config file; see
+service/settings.py and docs/CONFIG.md.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import grpc
 
 from engine.errors import EngineError
+from service.settings import (
+    CONFIG_ENV,
+    ConfigError,
+    Settings,
+    add_setting_flags,
+    resolve_settings,
+)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF model dir, .gguf file or alias (default: embedded SmolLM2-135M-Instruct)",
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes, like config mistakes, are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"pagedserve: error: {message}\n")
+
+
+def add_settings_args(parser: argparse.ArgumentParser, *sections: str) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE", help=f"TOML settings file (env {CONFIG_ENV}); docs/CONFIG.md"
     )
-    g.add_argument("--device", default=None, help="auto | cpu | cuda[:N]")
-    g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument(
-        "--engine-seed",
-        dest="engine_seed",
-        type=int,
-        default=None,
-        help="seeds draws for requests that bring no seed",
-    )
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV blocks (default: from --kv-cache-memory-gib)",
-    )
-    g.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    g.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None
-    )
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument(
-        "--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None
-    )
+    for section in sections:
+        add_setting_flags(parser, section)
 
 
-ENGINE_KEYS = (
-    "model device dtype max_model_len block_size num_blocks kv_cache_memory_gib "
-    "enable_prefix_caching max_num_seqs max_num_batched_tokens enable_chunked_prefill"
-).split()
-
-
-def engine_settings(args: argparse.Namespace) -> dict:
-    return {"seed": args.engine_seed, **{k: getattr(args, k) for k in ENGINE_KEYS}}
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM(**engine_settings(args))
+    llm = LLM(config=settings.engine_config())
     params = SamplingParams(
         n=args.n,
         max_tokens=args.max_tokens,
@@ -95,27 +78,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
 
-    from engine.async_engine import AsyncEngine
-    from engine.config import engine_config_from_flat
-    from engine.engine import LLMEngine
-    from service.server import ServerConfig, serve
+    from service.server import serve
 
-    engine = LLMEngine(engine_config_from_flat(**engine_settings(args)))
-    async_engine = AsyncEngine(engine, args.max_queued_requests)
-    async_engine.start()
-    config = ServerConfig(
-        host=args.host,
-        grpc_port=args.grpc_port,
-        drain_seconds=args.drain_seconds,
-    )
-    asyncio.run(serve(async_engine, engine.model_path.name, config))
+    # Both configs are validated here, before serve() starts loading the model.
+    engine_config, server_config = settings.engine_config(), settings.server_config()
+    asyncio.run(serve(engine_config, server_config))
     return 0
 
 
-def cmd_client_generate(args: argparse.Namespace) -> int:
+def cmd_client_generate(args: argparse.Namespace, settings: Settings) -> int:
     from google.protobuf.json_format import MessageToJson
 
     from clients.client import InferenceClient
@@ -139,14 +113,14 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_pull(args: argparse.Namespace) -> int:
+def cmd_models_pull(args: argparse.Namespace, settings: Settings) -> int:
     from engine.model_store import pull_default_model
 
     print(pull_default_model(force=args.force))
     return 0
 
 
-def cmd_models_path(args: argparse.Namespace) -> int:
+def cmd_models_path(args: argparse.Namespace, settings: Settings) -> int:
     from engine.model_store import resolve_model
 
     print(resolve_model(args.model))
@@ -154,12 +128,12 @@ def cmd_models_path(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser = _Parser(prog="pagedserve", description=__doc__)
+    add_setting_flags(parser, "log")  # here too, for the commands without settings of their own
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline (no server)")
-    add_engine_args(gen)
+    add_settings_args(gen, "engine", "log")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument(
         "--chat",
@@ -178,11 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="run the gRPC server")
-    add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--grpc-port", type=int, default=50051)
-    srv.add_argument("--max-queued-requests", type=int, default=1024)
-    srv.add_argument("--drain-seconds", type=float, default=30.0)
+    add_settings_args(srv, "engine", "server", "log")
     srv.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="call a running server")
@@ -211,10 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
-    except EngineError as exc:
+        settings = resolve_settings(args, os.environ)
+        logging.basicConfig(
+            level=settings.get("log_level"), format="%(levelname)s %(name)s: %(message)s"
+        )
+        return args.func(args, settings)
+    except (ConfigError, EngineError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:

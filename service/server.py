@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -35,6 +36,8 @@ from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert
+from service.metrics import ServerMetrics, rpc_status
+from service.tracing import TRACE_EXPORTERS, RequestTracer, configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +58,41 @@ class ServerConfig:
     trace_exporter: str = "none"  # none | console | otlp
     otlp_endpoint: str | None = None  # e.g. http://collector:4317 (otlp only)
 
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValidationError(name, f"must be a port in [0, 65535], got {port}")
+        if not 1 <= self.max_message_bytes <= 2**31 - 1:
+            raise ValidationError(
+                "max_message_bytes", f"must be in [1, 2**31 - 1], got {self.max_message_bytes}"
+            )
+        for name in ("max_queued_requests", "mailbox_size"):
+            if getattr(self, name) < 1:
+                raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.drain_seconds < math.inf:
+            raise ValidationError(
+                "drain_seconds", f"must be a finite number >= 0, got {self.drain_seconds}"
+            )
+        if self.trace_exporter not in TRACE_EXPORTERS:
+            raise ValidationError(
+                "trace_exporter",
+                f"must be one of {', '.join(TRACE_EXPORTERS)}, got {self.trace_exporter!r}",
+            )
+        for name in ("host", "metrics_host"):
+            if not getattr(self, name):
+                raise ValidationError(name, "must not be empty")
+
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     """The RPCs. Until a warm engine is attached (and again once draining) they answer
     UNAVAILABLE, so a client retries elsewhere instead of waiting on a cold pod."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: RequestTracer) -> None:
         self.engine: AsyncEngine | None = None
         self.model_name = ""
+        self.tracer = tracer
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None)
         self.draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -78,6 +108,24 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return True
         except asyncio.TimeoutError:
             return False
+
+    @contextlib.contextmanager
+    def _observed(self, rpc: str, context) -> Iterator[list[CandidateEvent]]:
+        """Count the RPC by outcome and trace it; the caller appends the final events it saw."""
+        span = self.tracer.start_request(f"{SERVICE_NAME}/{rpc}", context.invocation_metadata())
+        finals: list[CandidateEvent] = []
+        error: BaseException | None = None
+        try:
+            yield finals
+        except BaseException as exc:  # CancelledError too: the client left or its deadline passed
+            error = exc
+            raise
+        finally:
+            code = rpc_status(context, error)
+            self.metrics.rpc_finished(rpc, code)
+            if finals:
+                self.metrics.request_finished(finals)
+            span.finish(code, finals)
 
     @contextlib.contextmanager
     def _in_flight_call(self) -> Iterator[None]:
@@ -98,13 +146,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return self.engine
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        with self._in_flight_call():
+        with self._observed("Generate", context) as finals, self._in_flight_call():
             engine = await self._engine(context)
             request_id, n, stream = await self._submit(engine, request, context)
             events: list[CandidateEvent] = []
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
                     events.append(event)
+                    if event.finished:
+                        finals.append(event)
             except StreamOverflow as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             return convert.generate_response(request_id, n, events, engine.engine.tokenizer)
@@ -112,33 +162,42 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        with self._in_flight_call():
+        with self._observed("StreamGenerate", context) as finals, self._in_flight_call():
             engine = await self._engine(context)
             _, _, stream = await self._submit(engine, request, context)
             tokenizer = engine.engine.tokenizer
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
+                    if event.finished:
+                        finals.append(event)
                     yield convert.stream_message(event, tokenizer)
             except StreamOverflow as exc:  # this client stopped reading; it alone fails
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        if self.engine is None:  # a draining server still cancels: that only frees work
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading; retry later")
-        live = request.request_id in self.engine.engine.requests
-        self.engine.cancel(request.request_id)
-        return pb.CancelResponse(cancelled=live)
+        with self._observed("Cancel", context):
+            if self.engine is None:  # a draining server still cancels: that only frees work
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+            live = request.request_id in self.engine.engine.requests
+            self.engine.cancel(request.request_id)
+            return pb.CancelResponse(cancelled=live)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = (await self._engine(context)).engine.tokenizer
-        try:
-            ids = convert.prompt_token_ids(request, tokenizer, request.add_special_tokens)
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(i) or "" for i in ids])
+        with self._observed("Tokenize", context):
+            tokenizer = (await self._engine(context)).engine.tokenizer
+            try:
+                ids = convert.prompt_token_ids(request, tokenizer, request.add_special_tokens)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            tokens = [tokenizer.id_to_token(i) or "" for i in ids]
+            return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        core = (await self._engine(context)).engine
+        with self._observed("GetModelInfo", context):
+            return self._model_info(await self._engine(context))
+
+    def _model_info(self, engine: AsyncEngine) -> pb.ModelInfo:
+        core = engine.engine
         cache = core.config.cache
         return pb.ModelInfo(
             name=self.model_name,
@@ -189,6 +248,7 @@ class Server:
     health: health.aio.HealthServicer
     service: InferenceService
     port: int
+    metrics_port: int | None  # the bound /metrics port, None when off
 
     async def set_ready(self, engine: AsyncEngine, model_name: str) -> None:
         self.service.attach(engine, model_name)
@@ -204,6 +264,8 @@ class Server:
 
     async def stop(self) -> None:
         await self.grpc_server.stop(None)
+        await asyncio.to_thread(self.service.tracer.shutdown)  # flushes queued spans
+        await asyncio.to_thread(self.service.metrics.stop_http_server)
 
 
 async def start_server(config: ServerConfig) -> Server:
@@ -212,7 +274,11 @@ async def start_server(config: ServerConfig) -> Server:
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     grpc_server = grpc.aio.server(options=options)
-    service = InferenceService()
+    service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
+    # Up before the model loads, so a scrape during a slow start still answers.
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = service.metrics.start_http_server(config.metrics_host, config.metrics_port)
     inference_pb2_grpc.add_InferenceServicer_to_server(service, grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -223,7 +289,7 @@ async def start_server(config: ServerConfig) -> Server:
     await grpc_server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return Server(grpc_server, health_servicer, service, port)
+    return Server(grpc_server, health_servicer, service, port, metrics_port)
 
 
 def load_engine(engine_config: EngineConfig, config: ServerConfig) -> AsyncEngine:

@@ -51,6 +51,14 @@ def test_generate_json_fields(tiny_model, capsys):
         assert r["prompt_tokens"] > 0
 
 
+def test_generate_takes_engine_settings_from_a_config_file(tiny_model, tmp_path, capsys):
+    config = tmp_path / "engine.toml"
+    config.write_text(f"model = {str(tiny_model)!r}\nnum_blocks = 64\nmax_model_len = 16\n")
+    argv = ["generate", "--config", str(config), "--prompt", "hello world", "--max-tokens", "20"]
+    assert main(argv) == 2
+    assert "context limit of 16 tokens" in capsys.readouterr().err
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     code = main(["generate", "--model", "no/such-model", "--prompt", "x"])
     assert code == 2

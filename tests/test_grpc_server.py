@@ -427,3 +427,37 @@ async def test_a_client_that_stops_reading_fails_alone(tiny_model):
         await channel.close()
         await srv.stop()
         engine.shutdown(timeout=5)
+
+
+async def test_queue_limit_4_with_40_at_once_rejects_some_and_serves_the_rest(tiny_model):
+    """The bound is on requests not yet running: with 2 running slots and 4 queue places,
+    a burst of 40 gets RESOURCE_EXHAUSTED (with a retry hint) for the rest; none hang."""
+    core = LLMEngine(
+        engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4, max_num_seqs=2)
+    )
+    engine = AsyncEngine(core, max_queued_requests=4)
+    engine.start()
+    srv = await start_server(ServerConfig(grpc_port=0))
+    await srv.set_ready(engine, "tiny")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+
+            async def one(i: int) -> grpc.aio.AioRpcError | pb.GenerateResponse:
+                try:
+                    request = pb.GenerateRequest(text=f"burst {i}", **greedy(30))
+                    return await stub.Generate(request, timeout=60)
+                except grpc.aio.AioRpcError as err:
+                    return err
+
+            results = await asyncio.gather(*(one(i) for i in range(40)))
+        done = [r for r in results if isinstance(r, pb.GenerateResponse)]
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+        assert all(("retry-after-ms", "250") in tuple(r.trailing_metadata()) for r in refused)
+        assert 4 <= len(done) <= 12 and len(done) + len(refused) == 40
+        assert all(len(r.candidates[0].token_ids) == 30 for r in done)
+        assert core.num_generated_tokens == 30 * len(done) + 0  # the refused never ran
+    finally:
+        await srv.stop()
+        engine.shutdown(timeout=5)

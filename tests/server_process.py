@@ -1,0 +1,99 @@
+"""`pagedserve serve` as a real child process for integration tests (a helper, not tests).
+
+The server is driven only from outside: generated stubs over loopback gRPC, the health
+service for readiness, and the Prometheus endpoint for what the engine holds.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.server import SERVICE_NAME
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    grpc_port: int
+    metrics_port: int
+    log: tempfile._TemporaryFileWrapper  # stderr: a file, so a chatty server never blocks
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of a /metrics scrape, keyed `name{label="v",...}` (labels sorted)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+    def wait_for_metric(self, name: str, value: float, timeout: float = 10) -> float:
+        """Poll until the metric equals value; returns the last value seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = self.metrics().get(name)
+            if seen == value or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.05)
+
+    def health(self, service: str = SERVICE_NAME) -> int:
+        with grpc.insecure_channel(self.target) as channel:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=2).status
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.stderr()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready after {timeout} s: {self.stderr()}")
+            time.sleep(0.1)
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_server_process(model: Path, *args: str) -> ServerProcess:
+    """Start `pagedserve serve` on free loopback ports (not waiting for readiness)."""
+    grpc_port, metrics_port = free_port(), free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--model", str(model)]
+    command += ["--grpc-port", str(grpc_port), "--metrics-host", "127.0.0.1"]
+    command += ["--metrics-port", str(metrics_port), *args]
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    return ServerProcess(proc, grpc_port, metrics_port, log)
