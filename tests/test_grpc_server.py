@@ -459,3 +459,31 @@ async def test_queue_limit_4_with_40_at_once_rejects_some_and_serves_the_rest(ti
     finally:
         await srv.stop()
         engine.shutdown(timeout=5)
+
+
+async def test_generate_is_traced_under_the_callers_trace(tiny_model):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from service.tracing import RequestTracer
+
+    trace_id, caller_span = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
+    engine = AsyncEngine(core)
+    engine.start()
+    srv = await start_server(ServerConfig(grpc_port=0))
+    exporter = InMemorySpanExporter()
+    srv.service.tracer = RequestTracer(exporter)
+    await srv.set_ready(engine, "tiny")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            metadata = (("traceparent", f"00-{trace_id:032x}-{caller_span:016x}-01"),)
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            await stub.Generate(pb.GenerateRequest(text="hi", **greedy(4)), metadata=metadata)
+    finally:
+        await srv.stop()  # flushes the spans
+        engine.shutdown(timeout=5)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    rpc = spans[f"{SERVICE_NAME}/Generate"]
+    assert rpc.context.trace_id == trace_id and rpc.parent.span_id == caller_span
+    for phase in ("queue", "prefill", "decode"):
+        assert spans[phase].parent.span_id == rpc.context.span_id
