@@ -31,7 +31,7 @@ from engine.async_engine import (
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import ModelLoadError, ValidationError
-from engine.outputs import CandidateEvent
+from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
@@ -155,6 +155,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     events.append(event)
                     if event.finished:
                         finals.append(event)
+                        await _abort_on_engine_fault(event, context)
             except StreamOverflow as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             return convert.generate_response(request_id, n, events, engine.engine.tokenizer)
@@ -170,6 +171,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 async for event in stream:  # leaving early, by any door, cancels the request
                     if event.finished:
                         finals.append(event)
+                        await _abort_on_engine_fault(event, context)
                     yield convert.stream_message(event, tokenizer)
             except StreamOverflow as exc:  # this client stopped reading; it alone fails
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -238,6 +240,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except EngineStopped as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return request_id, params.n, stream
+
+
+async def _abort_on_engine_fault(final: CandidateEvent, context) -> None:
+    """An engine fault fails the request it hit with INTERNAL; the engine serves on."""
+    if final.finish_reason is FinishReason.ERROR:
+        await context.abort(grpc.StatusCode.INTERNAL, final.error or "engine error")
 
 
 @dataclass

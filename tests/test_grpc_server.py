@@ -487,3 +487,28 @@ async def test_generate_is_traced_under_the_callers_trace(tiny_model):
     assert rpc.context.trace_id == trace_id and rpc.parent.span_id == caller_span
     for phase in ("queue", "prefill", "decode"):
         assert spans[phase].parent.span_id == rpc.context.span_id
+
+
+async def test_an_engine_fault_fails_its_requests_with_internal_and_the_server_serves_on(
+    server,
+):
+    stub, _, core, _ = server
+    execute = core.runner.execute
+
+    def fail_once(*args, **kwargs):
+        core.runner.execute = execute
+        raise RuntimeError("injected fault")
+
+    request = pb.GenerateRequest(text="boom", **greedy(4))
+    core.runner.execute = fail_once  # the next step raises, later steps are fine
+    with pytest.raises(grpc.aio.AioRpcError) as unary:
+        await stub.Generate(request)
+    core.runner.execute = fail_once
+    with pytest.raises(grpc.aio.AioRpcError) as streamed:
+        [m async for m in stub.StreamGenerate(request)]
+    for err in (unary, streamed):
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "injected fault" in err.value.details()
+    response = await stub.Generate(pb.GenerateRequest(text="fine", **greedy(4)))
+    assert len(response.candidates[0].token_ids) == 4
+    assert core.block_manager.num_used_blocks == 0
