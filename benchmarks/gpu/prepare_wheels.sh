@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Fetch, here, the wheels the GPU machine lacks (it has no network): flashinfer and the
+# packages pagedserve needs beyond that machine's image. They land in .whl/ (git-ignored),
+# which every device call carries; benchmarks/gpu/run.sh installs them there.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+platform=(--only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+wheels=(
+  flashinfer-python==0.6.18.post1 "apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0"
+  "cuda-tile>=1.4.0" "nccl4py>=0.3.1"
+  gguf==0.19.0
+  grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
+  opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0
+  pytest-asyncio
+)
+mkdir -p .whl
+for wheel in "${wheels[@]}"; do
+  $PY -m pip download -q --no-deps "${platform[@]}" -d .whl "$wheel"
+done
+du -sh .whl

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, run the GPU tests and the GPU benchmarks,
+# leave one log (log.txt) and JSON results in $OUT (at most 8 files come back).
+# Run benchmarks/gpu/prepare_wheels.sh here first.
+#
+#   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache"])
+#
+# Steps (arguments, in any order): tests, kernels, bench, bench-hf (adds transformers),
+# smollm2. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
+# and unpack the ficache.tar.gz that comes back into .ficache/ for the next call.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache MAX_JOBS=16
+mkdir -p .ficache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
+python3 -c 'import torch, flashinfer, triton; print(torch.__version__, flashinfer.__version__, triton.__version__)' \
+  | tee -a "$OUT/log.txt"
+
+status=0
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    tests) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee -a "$OUT/log.txt" ;;
+    kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
+        --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
+        --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  echo "step $step: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/log.txt"
+  [ "$rc" = 0 ] || status=$rc
+done
+tar czf "$OUT/ficache.tar.gz" -C .ficache . 2>/dev/null
+ls -la "$OUT"
+exit $status

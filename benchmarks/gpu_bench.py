@@ -1,0 +1,307 @@
+"""GPU benchmarks of issue 4: offline throughput against its roofline, and batch-1 latency.
+
+    python benchmarks/gpu_bench.py --shape qwen3-0.6b --json-out result.json [--compare-transformers]
+
+The model is random bf16 weights of a real model's shape, written to an HF directory by
+this tool (real weights are out of reach here; speed does not depend on their values).
+The throughput workload is nano-vllm's: random.seed(0); 256 prompts of randint(100, 1024)
+token ids drawn with randint(0, 10000), then 256 output lengths randint(100, 1024),
+ignore_eos, temperature 0.6 — 142,827 prompt and 133,966 output tokens.
+
+The roofline is this workload's time floor on this GPU, measured in the same run: every
+decode step reads the weights once and each running sequence's whole KV; prefill runs at
+the measured matmul rate. floor = decode bytes / copy bandwidth + prefill FLOPs / matmul
+rate, where the copy bandwidth and matmul rate are timed here before the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workload import Workload, WorkloadSpec, make_workload, run_info  # noqa: E402
+
+NANO_VLLM_WORKLOAD = WorkloadSpec(
+    num_prompts=256, min_in=100, max_in=1024, min_out=100, max_out=1024, max_token_id=10000
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int = 32768
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # bf16 K and V of every layer
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 2
+
+    def num_params(self) -> int:
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        if self.model_type == "qwen3":
+            per_layer += 2 * self.head_dim  # q_norm, k_norm
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape("Qwen3ForCausalLM", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True),
+    "smollm2-135m": Shape("LlamaForCausalLM", "llama", 576, 30, 9, 3, 64, 1536, 49152, True, 8192),
+}
+
+
+def write_random_model(shape: Shape, path: Path) -> Path:
+    """An HF directory (config.json, safetensors, tokenizer.json) with random bf16 weights."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config_class = transformers.AutoConfig.for_model(shape.model_type).__class__
+    config = config_class(
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        torch_dtype="bfloat16",
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {f"<t{i}>": i for i in range(shape.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+# ---- the roofline --------------------------------------------------------------------------
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    src = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _median_seconds(lambda: dst.copy_(src))
+
+
+def matmul_rate() -> float:
+    """bf16 8192^3 matmul FLOP/s on random data (median of 10)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / _median_seconds(lambda: a @ b)
+
+
+def _median_seconds(fn, repeats: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+@dataclass
+class Roofline:
+    copy_bandwidth_gb_s: float
+    matmul_tflop_s: float
+    decode_weight_bytes: float
+    decode_kv_bytes: float
+    prefill_flop: float
+    floor_s: float
+    floor_tok_s: float
+
+
+def roofline(shape: Shape, work: Workload) -> Roofline:
+    """The floor for `work` with every request running at once (the best schedule)."""
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    weight_bytes = 2 * shape.num_params()
+    steps = max(work.output_lens)  # every decode step reads all weights once
+    # Output token t of a request reads the KV of its prompt and its t earlier outputs.
+    kv_tokens = sum(
+        n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
+    )
+    decode_weight_bytes = steps * weight_bytes
+    decode_kv_bytes = kv_tokens * shape.kv_bytes_per_token
+    prefill_flop = 2 * shape.num_params() * work.prompt_tokens
+    floor = (decode_weight_bytes + decode_kv_bytes) / bandwidth + prefill_flop / rate
+    return Roofline(
+        round(bandwidth / 1e9, 1),
+        round(rate / 1e12, 1),
+        decode_weight_bytes,
+        decode_kv_bytes,
+        prefill_flop,
+        round(floor, 3),
+        round(work.output_tokens / floor, 1),
+    )
+
+
+# ---- pagedserve ----------------------------------------------------------------------------
+
+
+def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+    )
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
+    ]
+    llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=8))  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(work.prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == work.output_tokens, (produced, work.output_tokens)
+    latency = batch1_latency(llm)
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "output_tok_s": round(produced / elapsed, 1),
+        "total_tok_s": round((produced + work.prompt_tokens) / elapsed, 1),
+        "kv_blocks": llm.engine.block_manager.num_blocks,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+        **latency,
+    }
+
+
+def batch1_latency(llm, prompt_len: int = 128, new_tokens: int = 256) -> dict:
+    """One stream, 128-token prompt, 256 new tokens: time per output token after the first."""
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
+    results = []
+    for attempt in range(3):
+        request = engine.add_request(f"latency-{attempt}", list(range(1, prompt_len + 1)), params)
+        while engine.has_unfinished_requests:
+            engine.step()
+        timing = request.timing
+        ttft = timing.first_token - timing.arrival
+        tpot = (timing.finished - timing.first_token) / (new_tokens - 1)
+        results.append((tpot, ttft))
+    tpot, ttft = min(results)
+    return {"batch1_tpot_ms": round(tpot * 1e3, 3), "batch1_ttft_ms": round(ttft * 1e3, 2)}
+
+
+# ---- transformers, for comparison ----------------------------------------------------------
+
+
+def run_transformers(model_dir: Path, work: Workload) -> dict:
+    """HF transformers' own continuous batching (generate_batch's manager) on the workload."""
+    import transformers
+    from transformers.generation import GenerationConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, device_map="cuda", attn_implementation="sdpa"
+    )
+    config = GenerationConfig(
+        do_sample=True, temperature=0.6, max_new_tokens=max(work.output_lens), eos_token_id=-1
+    )
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+    produced = finished = 0
+    while finished < len(work.prompts):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            finished += 1
+            produced += len(result.generated_tokens)
+    elapsed = time.perf_counter() - start
+    manager.stop(block=True)
+    return {
+        "transformers_version": transformers.__version__,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens": produced,
+        "output_tok_s": round(produced / elapsed, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--json-out", type=Path, default=None)
+    args = p.parse_args()
+
+    shape = SHAPES[args.shape]
+    work = make_workload(NANO_VLLM_WORKLOAD)
+    print(f"workload: {work.describe()}")
+    model_dir = write_random_model(shape, args.model_dir / args.shape)
+    floor = roofline(shape, work)
+    print(f"roofline: {asdict(floor)}")
+    ours = run_offline(args, model_dir, work)
+    ours["of_roofline"] = round(ours["output_tok_s"] / floor.floor_tok_s, 3)
+    print(f"pagedserve: {ours}")
+    result = {
+        **run_info(),
+        "gpu": torch.cuda.get_device_name(),
+        "shape": args.shape,
+        "workload": work.describe(),
+        "roofline": asdict(floor),
+        "pagedserve": ours,
+    }
+    if args.compare_transformers:
+        theirs = run_transformers(model_dir, work)
+        theirs["ratio"] = round(ours["output_tok_s"] / theirs["output_tok_s"], 2)
+        print(f"transformers: {theirs}")
+        result["transformers"] = theirs
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
