@@ -2,8 +2,12 @@
 
 Plain, device-agnostic torch over a flat varlen batch: every tensor is [T, ...] where T
 is the number of new tokens in the step, across all sequences. Attention goes through
-the backend, which owns the paged KV cache. Norm, activation and rope are small
-separate pieces so a GPU path can swap in fused kernels.
+the backend, which owns the paged KV cache. Norms and the activation come from
+engine/kernels: Triton kernels on CUDA, the same math in plain torch on the CPU.
+
+The residual stream is carried beside the hidden states, vLLM-style: each layer returns
+its MLP output and the stream *without* adding them, and the next norm does the add and
+the norm in one fused op (one pass over memory on the GPU; the same numbers either way).
 
 Parameter names follow Hugging Face, except the merged projections:
     self_attn.qkv_proj = [q_proj; k_proj; v_proj]    mlp.gate_up_proj = [gate_proj; up_proj]
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kernels import fused_add_rms_norm, rms_norm, silu_and_mul
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
@@ -26,11 +31,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32, scale in the weight's dtype, as Hugging Face does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(residual + x), residual + x)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,11 +57,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -119,14 +121,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor,  # the previous layer's MLP output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # the stream before it (None for layer 0)
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the stream before it): the next norm adds them."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -148,11 +157,11 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary_emb(positions)  # looked up once, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

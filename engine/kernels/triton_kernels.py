@@ -1,0 +1,227 @@
+"""The Triton kernels behind engine/kernels' ops, and their launchers.
+
+Imported only on the Triton path (it needs triton). Each launcher takes the same
+arguments as its op and returns fresh contiguous outputs; inputs may be strided views
+(a q slice of the merged qkv projection, the gate-up output) as long as their last dim
+is contiguous. Launchers never read tensor values on the host, so every kernel can be
+captured in a CUDA graph. Token counts are not specialized on (do_not_specialize), so a
+new batch size does not compile a new kernel variant.
+
+TRITON_INTERPRET=1 runs these kernels on CPU tensors (tests/test_kernels.py does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _num_warps(elements_per_program: int) -> int:
+    return min(max(elements_per_program // 256, 1), 8)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _rms_norm_kernel(
+    x_ptr,
+    x_stride_outer,
+    x_stride_inner,
+    res_ptr,
+    res_stride_outer,
+    res_stride_inner,
+    weight_ptr,
+    out_ptr,
+    res_out_ptr,
+    num_rows,
+    rows_per_outer,
+    dim,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    # Row r of the flattened [..., D] input sits at (r // rows_per_outer, r % rows_per_outer)
+    # of a [outer, inner, D] view: per-head norms read q/k heads in place, without a copy.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_DIM)
+    mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
+    outer = rows // rows_per_outer
+    inner = rows % rows_per_outer
+    x_offsets = (outer * x_stride_outer + inner * x_stride_inner)[:, None] + cols[None, :]
+    out_offsets = rows[:, None] * dim + cols[None, :]
+    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res_offsets = (outer * res_stride_outer + inner * res_stride_inner)[:, None] + cols[None, :]
+        res = tl.load(res_ptr + res_offsets, mask=mask, other=0.0)
+        # Rounded to the stream's dtype before the statistics, as an eager add would be.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + out_offsets, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / dim + eps)
+    normed = (x32 * inv_rms[:, None]).to(x.dtype)  # Hugging Face scales in the input's dtype
+    weight = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0)
+    out = weight.to(tl.float32)[None, :] * normed.to(tl.float32)
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x as [outer, inner, D] with a contiguous last dim: (view, stride_outer, stride_inner,
+    inner). Views of up to 3 dims are used as they are; more leading dims are flattened."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        x = x[None]
+    if x.dim() == 2:
+        return x, x.stride(0), 0, 1
+    x = x.reshape(-1, *x.shape[-2:])
+    return x, x.stride(0), x.stride(1), x.shape[1]
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dim = x.shape[-1]
+    num_rows = x.numel() // dim
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    x_rows, x_outer, x_inner, rows_per_outer = _as_rows(x)
+    res_out = res_rows = None
+    res_outer = res_inner = 0
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        res_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        res_rows, res_outer, res_inner, _ = _as_rows(residual)
+    block_dim = triton.next_power_of_2(dim)
+    block_rows = max(1, 1024 // block_dim)  # several short rows (a head each) per program
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        x_rows,
+        x_outer,
+        x_inner,
+        res_rows,
+        res_outer,
+        res_inner,
+        weight,
+        out,
+        res_out,
+        num_rows,
+        rows_per_outer,
+        dim,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=block_rows,
+        BLOCK_DIM=block_dim,
+        num_warps=_num_warps(block_rows * block_dim),
+    )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, x_row_stride, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    x_row = x_ptr + row * x_row_stride
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    act = (gate32 * tl.sigmoid(gate32)).to(gate.dtype)  # rounded like eager F.silu's output
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    x = gate_up.reshape(-1, gate_up.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
+        x, x.stride(0), out, inter, BLOCK=block, num_warps=_num_warps(block)
+    )
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    k_stride_token,
+    k_stride_head,
+    v_ptr,
+    v_stride_token,
+    v_stride_head,
+    cache_ptr,
+    cache_stride_block,
+    cache_stride_kv,
+    cache_stride_slot,
+    cache_stride_head,
+    slot_ptr,
+    block_size,
+    num_heads,
+    head_dim,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    # One program per token row: all its heads' K and V, or nothing for slot -1.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_HEADS)
+    dims = tl.arange(0, BLOCK_DIM)
+    mask = (slot >= 0) & (heads < num_heads)[:, None] & (dims < head_dim)[None, :]
+    block = slot // block_size
+    offset = slot % block_size
+    k = tl.load(
+        k_ptr + token * k_stride_token + heads[:, None] * k_stride_head + dims[None, :], mask=mask
+    )
+    v = tl.load(
+        v_ptr + token * v_stride_token + heads[:, None] * v_stride_head + dims[None, :], mask=mask
+    )
+    cache_k = (
+        cache_ptr
+        + block * cache_stride_block
+        + offset * cache_stride_slot
+        + heads[:, None] * cache_stride_head
+        + dims[None, :]
+    )
+    tl.store(cache_k, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_k + cache_stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    num_tokens, num_heads, head_dim = k.shape
+    assert kv_cache.stride(-1) == 1, "the KV pool's head dim must be contiguous"
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    block_heads = triton.next_power_of_2(num_heads)
+    block_dim = triton.next_power_of_2(head_dim)
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        k.stride(0),
+        k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        kv_cache,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        slot_mapping,
+        kv_cache.shape[2],
+        num_heads,
+        head_dim,
+        BLOCK_HEADS=block_heads,
+        BLOCK_DIM=block_dim,
+        num_warps=_num_warps(block_heads * block_dim),
+    )

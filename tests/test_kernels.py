@@ -1,0 +1,314 @@
+"""engine/kernels: the torch paths against references, the Triton kernels against the torch paths.
+
+The torch paths (the CPU path) must equal Hugging Face's RMSNorm exactly and a
+row-by-row KV store bit for bit. The Triton kernels run against the torch paths on CUDA
+(marked gpu) and, where triton is installed, on the CPU under Triton's interpreter: that
+needs TRITON_INTERPRET=1 before triton is imported, so test_triton_kernels_in_the_interpreter
+reruns this file's "interpreter" cases in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from engine.kernels import fused_add_rms_norm, rms_norm, silu_and_mul, store_kv
+from engine.kernels.activation import silu_and_mul_torch
+from engine.kernels.dispatch import triton_importable
+from engine.kernels.kv_cache import store_kv_torch
+from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    torch.manual_seed(0)
+
+
+# Where the Triton kernels run: on a GPU, or on the CPU under the interpreter (subprocess).
+TRITON_TARGETS = [
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not (HAS_CUDA and triton_importable()), reason="needs CUDA"),
+        ],
+    ),
+    pytest.param(
+        "interpreter",
+        marks=pytest.mark.skipif(
+            not INTERPRETED, reason="run by test_triton_kernels_in_the_interpreter"
+        ),
+    ),
+]
+# The interpreter runs programs one at a time in numpy: keep its batches small.
+TOKEN_COUNTS = {"cuda": [1, 7, 256, 2048], "interpreter": [1, 7, 33]}
+
+
+def norm_input(layout: str, tokens: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """hidden: [T, 1024]; heads: Qwen3's q heads, a strided view into the merged qkv output;
+    odd: a dim that is no power of two, transposed (the CPU linear's output layout)."""
+    if layout == "hidden":
+        return 3 * torch.randn(tokens, 1024, dtype=dtype, device=device)
+    if layout == "heads":
+        qkv = 3 * torch.randn(tokens, (16 + 2 * 8) * 128, dtype=dtype, device=device)
+        return qkv[:, : 16 * 128].view(tokens, 16, 128)
+    return 3 * torch.randn(96, tokens, dtype=dtype, device=device).T
+
+
+def norm_weight(dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return (1 + 0.1 * torch.randn(dim, device=device)).to(dtype)
+
+
+def gate_up_input(tokens: int, inter: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return 3 * torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
+
+
+def kv_inputs(
+    tokens: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k (a strided view into a merged kv tensor), v, a pool holding a sentinel, and a slot
+    mapping that scatters rows over the pool with every third row padding (-1)."""
+    num_blocks, block_size, heads, dim = 8, 16, 8, 128
+    kv = torch.randn(tokens, 2 * heads * dim, dtype=dtype, device=device)
+    k = kv[:, : heads * dim].view(tokens, heads, dim)
+    v = kv[:, heads * dim :].reshape(tokens, heads, dim).contiguous()
+    cache = torch.full(
+        (num_blocks, 2, block_size, heads, dim), 7.0, dtype=cache_dtype, device=device
+    )
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    slots[::3] = -1
+    return k, v, cache, slots
+
+
+def tolerance(dtype: torch.dtype, target: str = "cuda") -> dict[str, float]:
+    if dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    if dtype == torch.float16:
+        return {"rtol": 2e-3, "atol": 1e-3}
+    # Triton 3.6's interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest:
+    # another ulp (2^-8 relative) at most, for each of the kernel's two roundings.
+    return {"rtol": 2e-2 if target == "interpreter" else 1e-2, "atol": 1e-3}
+
+
+def store_kv_rows(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The reference: one row at a time, skipping slot -1."""
+    block_size = kv_cache.shape[2]
+    for row, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            kv_cache[slot // block_size, 0, slot % block_size] = k[row]
+            kv_cache[slot // block_size, 1, slot % block_size] = v[row]
+
+
+# --- the torch paths (what the CPU runs) ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["hidden", "heads", "odd"])
+def test_rms_norm_equals_hugging_face(layout: str, dtype: torch.dtype) -> None:
+    x = norm_input(layout, 9, dtype, "cpu")
+    hf = LlamaRMSNorm(x.shape[-1], eps=EPS)
+    hf.weight.data = norm_weight(x.shape[-1], dtype, "cpu")
+    assert torch.equal(rms_norm(x, hf.weight.data, EPS), hf(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["hidden", "odd"])
+def test_fused_add_rms_norm_equals_add_then_hugging_face(layout: str, dtype: torch.dtype) -> None:
+    x = norm_input(layout, 9, dtype, "cpu")
+    residual = norm_input(layout, 9, dtype, "cpu")
+    x_before, residual_before = x.clone(), residual.clone()
+    hf = LlamaRMSNorm(x.shape[-1], eps=EPS)
+    hf.weight.data = norm_weight(x.shape[-1], dtype, "cpu")
+
+    out, new_residual = fused_add_rms_norm(x, residual, hf.weight.data, EPS)
+    assert torch.equal(new_residual, residual_before + x_before)
+    assert torch.equal(out, hf(residual_before + x_before))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # not in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_float64(dtype: torch.dtype) -> None:
+    weight = torch.randn(2 * 80, 64, dtype=dtype)
+    hidden = torch.randn(9, 64, dtype=dtype)
+    gate_up = (weight @ hidden.T).T  # transposed, as the CPU linear returns it
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    expected = gate * torch.sigmoid(gate) * up
+    out = silu_and_mul(gate_up)
+    assert out.shape == (9, 80) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+)
+def test_store_kv_equals_row_by_row_and_skips_padding(
+    dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    k, v, cache, slots = kv_inputs(10, dtype, cache_dtype, "cpu")
+    expected = cache.clone()
+    store_kv_rows(k, v, expected, slots)
+    store_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+    assert (cache == 7.0).all(dim=(1, 3, 4)).sum() == cache.shape[0] * cache.shape[
+        2
+    ] - 6  # 6 rows written
+
+
+# --- the Triton kernels against the torch paths ---------------------------------------
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["hidden", "heads", "odd"])
+def test_triton_rms_norm(target: str, layout: str, dtype: torch.dtype) -> None:
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for tokens in TOKEN_COUNTS[target]:
+        x = norm_input(layout, tokens, dtype, device)
+        weight = norm_weight(x.shape[-1], dtype, device)
+        out = triton_kernels.rms_norm(x, weight, EPS)
+        assert out.shape == x.shape and out.dtype == dtype
+        torch.testing.assert_close(out, rms_norm_torch(x, weight, EPS), **tolerance(dtype, target))
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["hidden", "heads", "odd"])
+def test_triton_fused_add_rms_norm(target: str, layout: str, dtype: torch.dtype) -> None:
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for tokens in TOKEN_COUNTS[target]:
+        x = norm_input(layout, tokens, dtype, device)
+        residual = norm_input(layout, tokens, dtype, device)
+        weight = norm_weight(x.shape[-1], dtype, device)
+        out, new_residual = triton_kernels.fused_add_rms_norm(x, residual, weight, EPS)
+        expected_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)[1]
+        if dtype == torch.bfloat16 and target == "interpreter":  # rounds toward zero, see above
+            torch.testing.assert_close(new_residual, expected_residual, **tolerance(dtype, target))
+        else:  # one rounding of the same sum: the stream must not drift from the torch path
+            assert torch.equal(new_residual, expected_residual)
+        expected = rms_norm_torch(new_residual, weight, EPS)
+        torch.testing.assert_close(out, expected, **tolerance(dtype, target))
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [3072, 80])
+def test_triton_silu_and_mul(target: str, inter: int, dtype: torch.dtype) -> None:
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for tokens in TOKEN_COUNTS[target]:
+        gate_up = gate_up_input(tokens, inter, dtype, device)
+        out = triton_kernels.silu_and_mul(gate_up)
+        assert out.shape == (tokens, inter) and out.dtype == dtype
+        torch.testing.assert_close(out, silu_and_mul_torch(gate_up), **tolerance(dtype, target))
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+)
+def test_triton_store_kv(target: str, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for tokens in [1, 5, 100]:
+        k, v, cache, slots = kv_inputs(tokens, dtype, cache_dtype, device)
+        expected = cache.clone()
+        store_kv_torch(k, v, expected, slots)
+        triton_kernels.store_kv(k, v, cache, slots)
+        assert torch.equal(cache, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and triton_importable()), reason="needs CUDA")
+def test_the_ops_capture_in_a_cuda_graph() -> None:
+    """A decode step's worth of the ops, captured once and replayed on new inputs; padding
+    rows (slot -1) write nothing. The torch store_kv syncs with the host and cannot be
+    captured, so this also shows that CUDA tensors take the Triton path."""
+    tokens, dtype = 8, torch.bfloat16
+    x, residual = (norm_input("hidden", tokens, dtype, "cuda") for _ in range(2))
+    weight = norm_weight(1024, dtype, "cuda")
+    gate_up = gate_up_input(tokens, 3072, dtype, "cuda")
+    k, v, cache, slots = kv_inputs(tokens, dtype, dtype, "cuda")
+
+    def step() -> tuple[torch.Tensor, ...]:
+        store_kv(k, v, cache, slots)
+        return (*fused_add_rms_norm(x, residual, weight, EPS), silu_and_mul(gate_up))
+
+    side = torch.cuda.Stream()  # warm up (compile) off the default stream, as torch advises
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    for tensor in (x, residual, gate_up, k, v):
+        tensor.copy_(torch.randn_like(tensor))
+    slots.copy_(torch.randperm(cache.shape[0] * cache.shape[2], device="cuda")[:tokens])
+    slots[1::2] = -1
+    cache.fill_(7.0)
+    expected_cache = cache.clone()
+    store_kv_torch(k, v, expected_cache, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    assert torch.equal(cache, expected_cache)
+    out, new_residual, act = outputs
+    expected, expected_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    torch.testing.assert_close(act, silu_and_mul_torch(gate_up), **tolerance(dtype))
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_triton_kernels_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "interpreter",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b\d+ passed", result.stdout), result.stdout  # ran, not all skipped
