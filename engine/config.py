@@ -15,6 +15,8 @@ class CacheConfig:
     # None: size the pool from kv_cache_memory_gib (CPU) or free GPU memory (GPU).
     num_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    # On CUDA: the share of the GPU's memory this engine may use, KV pool included.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -27,6 +29,11 @@ class CacheConfig:
         if not self.kv_cache_memory_gib > 0:
             raise ValidationError(
                 "kv_cache_memory_gib", f"must be > 0, got {self.kv_cache_memory_gib}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValidationError(
+                "gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}",
             )
 
 
@@ -55,6 +62,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None = the model's own context length
     seed: int = 0  # seeds the draws for requests that bring no seed
+    enforce_eager: bool = False  # CUDA: never replay CUDA graphs (run every step eagerly)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

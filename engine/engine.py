@@ -13,8 +13,10 @@ import random
 import time
 from collections.abc import Sequence as SequenceOf
 
+from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.config import EngineConfig
+from engine.cuda_graphs import graph_batch_sizes, graph_memory_reserve
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
 from engine.kv.block_manager import BlockManager, OutOfBlocksError
@@ -52,23 +54,30 @@ class LLMEngine:
         self.model_path = model_path
         self.tokenizer = Tokenizer.from_path(model_path)
         device, dtype = config.torch_device, config.torch_dtype
-        model, self.model_config = load_model(model_path, dtype, device, TorchPagedAttention())
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
-            self.model_config.eos_token_ids
-        )
+        on_gpu = device.type == "cuda"
+        attn = FlashInferAttention(device) if on_gpu else TorchPagedAttention()
+        model, self.model_config = load_model(model_path, dtype, device, attn)
+        mc = self.model_config
+        if isinstance(attn, FlashInferAttention):  # its wrappers need the model's head shape
+            attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
 
-        cache = config.cache
-        num_blocks = cache.num_blocks or max(
-            1,
-            int(
-                cache.kv_cache_memory_gib
-                * 2**30
-                // kv_bytes_per_block(self.model_config, cache.block_size, dtype)
-            ),
-        )
-        self.runner = ModelRunner(
-            model, self.model_config, num_blocks, cache.block_size, device, dtype
-        )
+        cache, sched = config.cache, config.scheduler
+        use_graphs = on_gpu and not config.enforce_eager
+        self.runner = ModelRunner(model, mc, cache.block_size, device, dtype, attn)
+        block_bytes = kv_bytes_per_block(mc, cache.block_size, dtype)
+        if cache.num_blocks:
+            num_blocks = cache.num_blocks
+        elif on_gpu:
+            num_blocks = self.runner.fit_kv_blocks(
+                cache.gpu_memory_utilization,
+                sched.max_num_batched_tokens,
+                sched.max_num_seqs,
+                graph_memory_reserve(graph_batch_sizes(sched.max_num_seqs)) if use_graphs else 0,
+            )
+        else:
+            num_blocks = max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))
+        self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
 
@@ -78,14 +87,20 @@ class LLMEngine:
         self.max_model_len = min(
             model_len, self.model_config.max_position_embeddings, self.pool_tokens
         )
+        if use_graphs:
+            self.runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
         log.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s/%s, KV pool %d blocks of %d tokens (%.2f GiB, %d tokens), "
+            "max_model_len %d, %s",
             self.model_config.architecture,
             device,
             dtype,
             num_blocks,
             cache.block_size,
+            num_blocks * block_bytes / 2**30,
+            self.pool_tokens,
             self.max_model_len,
+            "CUDA graphs" if use_graphs else "eager",
         )
 
         self.requests: dict[str, Request] = {}

@@ -135,9 +135,15 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "engine", "engine_seed", "seeds the draws of requests that bring no seed", field="seed"
     ),
+    _setting("engine", "enforce_eager", "CUDA: run every step eagerly, no CUDA graphs"),
     _setting("engine", "block_size", "tokens per KV block (a power of two up to 128)"),
     _setting("engine", "num_blocks", "KV blocks; unset: sized from memory"),
     _setting("engine", "kv_cache_memory_gib", "KV pool size on the CPU when num_blocks is unset"),
+    _setting(
+        "engine",
+        "gpu_memory_utilization",
+        "share of the GPU's memory to use, KV pool included, when num_blocks is unset (CUDA)",
+    ),
     _setting(
         "engine",
         "enable_prefix_caching",

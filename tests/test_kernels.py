@@ -98,7 +98,9 @@ def tolerance(dtype: torch.dtype, target: str = "cuda") -> dict[str, float]:
         return {"rtol": 2e-3, "atol": 1e-3}
     # Triton 3.6's interpreter rounds float32 -> bfloat16 toward zero, the GPU to nearest:
     # another ulp (2^-8 relative) at most, for each of the kernel's two roundings.
-    return {"rtol": 2e-2 if target == "interpreter" else 1e-2, "atol": 1e-3}
+    # On the GPU, two roundings of bf16 (ulp 2^-7 relative) can land 2 ulps apart: torch's own
+    # bf16 default, 1.6e-2.
+    return {"rtol": 2e-2 if target == "interpreter" else 1.6e-2, "atol": 1e-3}
 
 
 def store_kv_rows(

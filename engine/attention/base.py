@@ -11,11 +11,14 @@ KV pool, one tensor per layer, flashinfer's NHD paged layout:
 Token t of sequence i lives in block block_tables[i][t // block_size] at offset
 t % block_size. slot_mapping[row] = block_id * block_size + offset is where a new row's
 K/V are written; a slot of -1 means "write nowhere" (padding rows).
+
+A step calls the backend's plan(meta) once, before the model runs, then forward() once
+per layer with the same meta: per-step host work (page tables, masks) belongs in plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,12 +28,16 @@ import torch
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [B + 1] on the compute device
     seq_lens: torch.Tensor  # int32 [B] on the compute device
-    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
+    # int32 [B, max_blocks_per_seq] on the compute device, padded with 0. The torch backend
+    # reads it; on CUDA it is None and flashinfer plans from block_tables_cpu instead.
+    block_tables: torch.Tensor | None
     slot_mapping: torch.Tensor  # int64 [T]
     # Host copies, for backends that loop or plan on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Sequence i's blocks that hold its first seq_lens_cpu[i] tokens, no padding.
+    block_tables_cpu: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -42,6 +49,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Once per step, before the forward: the host work every layer shares."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]

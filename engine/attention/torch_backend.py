@@ -52,6 +52,9 @@ class TorchPagedAttention:
         self._plan: StepPlan | None = None
         self._planned_for: AttentionMetadata | None = None
 
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._plan, self._planned_for = plan_step(meta), meta
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
@@ -61,8 +64,8 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if self._planned_for is not meta:
-            self._plan, self._planned_for = plan_step(meta), meta
+        if self._planned_for is not meta:  # a caller that drives the model without plan()
+            self.plan(meta)
         plan = self._plan
         write_kv_cache(k, v, kv_cache, plan)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
@@ -134,6 +137,7 @@ class TorchPagedAttention:
 
 
 def plan_step(meta: AttentionMetadata) -> StepPlan:
+    assert meta.block_tables is not None, "the torch backend reads the device block tables"
     device = meta.slot_mapping.device
     slots = meta.slot_mapping
     keep = slots >= 0

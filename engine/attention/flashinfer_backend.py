@@ -1,0 +1,268 @@
+"""Paged attention on CUDA through flashinfer: the GPU backend.
+
+Same contract and KV layout as the torch backend (engine/attention/base.py). The scheduler
+puts decodes (one new token) first in the flat batch, then prefills and prefill chunks.
+The leading run of one-token sequences goes to flashinfer's batch decode kernel; the rest
+to its batch prefill kernel over the paged KV with causal=True, which serves a whole
+prompt, a chunk of one and a prompt behind a prefix-cache hit alike: the new rows' K/V
+are written to the pool first, then query row j of a sequence with q_len new tokens
+attends to keys [0, seq_len - q_len + j] (flashinfer aligns the causal mask bottom-right).
+
+plan() runs once per step on the host: it turns the block tables into flashinfer's CSR
+page tables (page_table below: indptr / indices / last_page_len) and plans both wrappers;
+each layer's forward() then only launches kernels. For CUDA graphs (engine/cuda_graphs.py)
+there is one decode wrapper per captured batch size whose page tables live in the graph's
+static buffers; plan_graph() refills them before each replay.
+
+flashinfer is imported only when a backend is configured, so this module imports (and its
+planning math is tested) on machines without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.kernels.kv_cache import store_kv
+
+# flashinfer's float workspace holds split-KV partial results; 128 MiB is its recommendation.
+WORKSPACE_BYTES = 128 * 2**20
+# Above this many query heads per KV head, decode runs on the tensor-core (prefill) kernels;
+# the CUDA-core decode kernel is faster for small groups and only built for 1-4, 6 and 8.
+MAX_CUDA_CORE_GROUP = 4
+
+
+@dataclass
+class PageTable:
+    """Some sequences' paged KV in flashinfer's CSR form, on the host."""
+
+    indptr: np.ndarray  # int32 [B + 1]: sequence i's pages are indices[indptr[i]:indptr[i + 1]]
+    indices: np.ndarray  # int32 [indptr[-1]]: block ids, sequence after sequence
+    last_page_len: np.ndarray  # int32 [B]: tokens in each sequence's last page, 1..block_size
+
+
+def page_table(
+    seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+) -> PageTable:
+    """block_tables[i] must be exactly the blocks holding sequence i's seq_lens[i] tokens."""
+    lens = np.asarray(seq_lens, dtype=np.int32)
+    pages = (lens + block_size - 1) // block_size
+    given = np.fromiter(map(len, block_tables), dtype=np.int32, count=len(block_tables))
+    if not np.array_equal(given, pages):
+        raise ValueError(f"block tables of {given.tolist()} pages for {pages.tolist()}")
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    indices = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(indptr[-1])
+    )
+    return PageTable(indptr, indices, lens - (pages - 1) * block_size)
+
+
+@dataclass
+class StepPages:
+    """One step's page tables, split into the decode run and the prefill rest.
+
+    Both halves index into one `indices` array, so it crosses to the GPU in one copy; the
+    prefill half's indptr is relative to its own first page (decode_indptr[-1])."""
+
+    num_decodes: int  # leading one-token sequences, which are also rows [0, num_decodes)
+    indices: np.ndarray  # int32: every sequence's blocks, in batch order
+    decode_indptr: np.ndarray  # int32 [D + 1]
+    decode_last_page_len: np.ndarray  # int32 [D]
+    prefill_qo_indptr: np.ndarray  # int32 [P + 1]: query rows, from row num_decodes
+    prefill_indptr: np.ndarray  # int32 [P + 1], into indices[decode_indptr[-1]:]
+    prefill_last_page_len: np.ndarray  # int32 [P]
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_last_page_len)
+
+
+def split_step(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> StepPages:
+    # The decode kernel takes the leading one-token sequences. A later one (a prompt whose
+    # last token alone was left after a prefix hit) joins the prefills: their kernel
+    # handles a query of any length, so the split is right whatever the order.
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    table = page_table(seq_lens, block_tables, block_size)
+    prefill_indptr = table.indptr[num_decodes:] - table.indptr[num_decodes]
+    qo_indptr = np.zeros(len(query_lens) - num_decodes + 1, dtype=np.int32)
+    np.cumsum(np.asarray(query_lens[num_decodes:], dtype=np.int32), out=qo_indptr[1:])
+    return StepPages(
+        num_decodes=num_decodes,
+        indices=table.indices,
+        decode_indptr=table.indptr[: num_decodes + 1],
+        decode_last_page_len=table.last_page_len[:num_decodes],
+        prefill_qo_indptr=qo_indptr,
+        prefill_indptr=prefill_indptr,
+        prefill_last_page_len=table.last_page_len[num_decodes:],
+    )
+
+
+class FlashInferAttention:
+    """The AttentionBackend for CUDA. Build it, load the model with it, then configure()."""
+
+    def __init__(self, device: torch.device):
+        assert device.type == "cuda", device
+        self.device = device
+
+    def configure(
+        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        """Create the wrappers once the model's head shape and dtype are known."""
+        import flashinfer
+
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.scale = head_dim**-0.5  # what the model passes to forward(); checked there
+        self.use_tensor_cores = num_qo_heads // num_kv_heads > MAX_CUDA_CORE_GROUP
+        # "Must be initialized to 0 for its first use" (flashinfer); shared by every wrapper,
+        # which is safe because their kernels run one after another on one stream.
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._eager_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._graph_decode: dict[int, Any] = {}
+        # What forward() runs this step: rows [0, num_decode_rows) through self._decode,
+        # the rest through self._prefill.
+        self._decode = self._eager_decode
+        self._num_decode_rows = 0
+
+    # ---- per step, on the host ----------------------------------------------------------
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        pages = split_step(
+            meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables_cpu, meta.block_size
+        )
+        indices_gpu = _to_gpu(pages.indices, self.device)
+        self._decode, self._num_decode_rows = self._eager_decode, pages.num_decodes
+        if pages.num_decodes:
+            self._plan_decode(
+                self._decode,
+                pages.decode_indptr,
+                indices_gpu,
+                pages.decode_last_page_len,
+                meta.block_size,
+            )
+        if pages.num_prefills:
+            first_page = int(pages.decode_indptr[-1])
+            self._prefill.plan(
+                _pinned(pages.prefill_qo_indptr),
+                _pinned(pages.prefill_indptr),
+                indices_gpu[first_page:],
+                _pinned(pages.prefill_last_page_len),
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.block_size,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                non_blocking=True,
+            )
+
+    def add_graph_batch_size(
+        self,
+        batch_size: int,
+        kv_indptr: torch.Tensor,  # int32 [batch_size + 1] on the GPU, static
+        kv_indices: torch.Tensor,  # int32 [enough pages for any batch] on the GPU, static
+        kv_last_page_len: torch.Tensor,  # int32 [batch_size] on the GPU, static
+    ) -> None:
+        """A decode wrapper for CUDA graphs of exactly batch_size sequences: its page tables
+        live in the given buffers, which the captured kernels read."""
+        import flashinfer
+
+        self._graph_decode[batch_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=kv_indptr,
+            paged_kv_indices_buffer=kv_indices,
+            paged_kv_last_page_len_buffer=kv_last_page_len,
+        )
+
+    def plan_graph(
+        self, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+    ) -> None:
+        """Plan a pure-decode step of a captured batch size (padding rows included): copies
+        its page tables into the graph's buffers, for a capture or a replay to read."""
+        wrapper = self._graph_decode[len(seq_lens)]
+        table = page_table(seq_lens, block_tables, block_size)
+        self._plan_decode(
+            wrapper,
+            table.indptr,
+            _to_gpu(table.indices, self.device),
+            table.last_page_len,
+            block_size,
+        )
+        self._decode, self._num_decode_rows = wrapper, len(seq_lens)
+
+    def _plan_decode(
+        self,
+        wrapper: Any,
+        indptr: np.ndarray,
+        indices_gpu: torch.Tensor,
+        last_page_len: np.ndarray,
+        block_size: int,
+    ) -> None:
+        # indptr and last_page_len stay on the host: plan() reads them there, and copies
+        # them to the device itself (asynchronously, as they are pinned). The indices must
+        # already be on the device, or a CUDA-graph wrapper copies them synchronously.
+        assert indices_gpu.device.type == "cuda", indices_gpu.device
+        wrapper.plan(
+            _pinned(indptr),
+            indices_gpu,
+            _pinned(last_page_len),
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            block_size,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+        )
+
+    # ---- per layer, kernels only ---------------------------------------------------------
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_q_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        rows = self._num_decode_rows
+        if rows == q.shape[0]:
+            return self._decode.run(q, kv_cache)
+        out = torch.empty_like(q)
+        if rows:
+            self._decode.run(q[:rows], kv_cache, out=out[:rows])
+        self._prefill.run(q[rows:], kv_cache, out=out[rows:])
+        return out
+
+
+def _pinned(array: np.ndarray) -> torch.Tensor:
+    """A host tensor in page-locked memory, so a non_blocking copy of it is asynchronous."""
+    return torch.from_numpy(array).pin_memory()
+
+
+def _to_gpu(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return _pinned(array).to(device, non_blocking=True)

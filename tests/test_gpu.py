@@ -1,0 +1,333 @@
+"""The GPU path (issue 4): bf16 on CUDA through flashinfer and CUDA graphs, checked against
+the CPU float32 reference and against itself with each optimisation turned off.
+
+Two bf16 runs that take different kernels (graph or eager, cached prefix or recomputed,
+chunked or whole) round differently, so a greedy pick can flip where the model's top two
+tokens are within rounding of each other; assert_greedy_close allows exactly that and
+nothing else. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.flashinfer_backend import FlashInferAttention
+from engine.attention.torch_backend import TorchPagedAttention
+from engine.llm import LLM
+from engine.model.loader import load_model
+from engine.outputs import FinishReason, RequestOutput
+from engine.runner import kv_bytes_per_block
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import write_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# Below this gap between its top two logits (= logprobs, in nats) a position's greedy pick
+# may differ between two bf16 runs, or between bf16 and float32. Measured on the CPU for
+# this model: bf16 moves a logit by at most ~0.08 and never flipped a pick with a gap > 0.04.
+NEAR_TIE = 0.1
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A Qwen3-shaped random model flashinfer runs (head_dim 128; 2 query heads per KV head,
+    as in Qwen3-0.6B), re-initialised at unit gain: std 1/sqrt(fan_in) for projections,
+    unit-variance embeddings. tiny_models' std 0.1 makes a 256-wide net chaotic enough
+    that bf16 rounding alone moves its logits by 2% (measured on the CPU)."""
+    directory = write_tiny_model(
+        tmp_path_factory.mktemp("gpu-qwen3"),
+        "qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=1024,
+    )
+    path = directory / "model.safetensors"
+    weights = load_file(path)
+    for name, weight in weights.items():
+        if "embed_tokens" in name:
+            weights[name] = weight * 10.0
+        elif weight.dim() == 2:
+            weights[name] = weight * (10.0 / math.sqrt(weight.shape[1]))
+    save_file(weights, path, metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each test's engines go before the next one sizes its KV pool from free memory."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def gpu_llm(model_dir: Path, **settings) -> LLM:
+    settings = {"device": "cuda", "num_blocks": 512, "block_size": BLOCK_SIZE, **settings}
+    return LLM(str(model_dir), **settings)
+
+
+def random_prompts(count: int, seed: int, lo: int, hi: int, vocab: int = 400) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def assert_greedy_close(got: list[RequestOutput], want: list[RequestOutput]) -> None:
+    """Greedy outputs equal token for token, except that where both runs saw a near-tie
+    (the other run's token within NEAR_TIE of their own pick) the pick may flip; the
+    sequences part ways there and the rest of that pair is not compared."""
+    compared = total = 0
+    for g, w in zip(got, want, strict=True):
+        for got_c, want_c in zip(g.outputs, w.outputs, strict=True):
+            assert len(got_c.token_ids) == len(want_c.token_ids)
+            total += len(want_c.token_ids)
+            for i, (a, b) in enumerate(zip(got_c.token_ids, want_c.token_ids)):
+                if a == b:
+                    compared += 1
+                    continue
+                for chosen, other in ((got_c.logprobs[i], b), (want_c.logprobs[i], a)):
+                    alternatives = dict(chosen.top)
+                    assert other in alternatives, (g.request_id, i, chosen, other)
+                    gap = chosen.logprob - alternatives[other]
+                    assert gap < NEAR_TIE, (g.request_id, i, chosen, other, gap)
+                break
+    assert compared >= total / 2, f"only {compared} of {total} tokens before near-ties"
+
+
+# ---- the KV pool ------------------------------------------------------------------------
+
+
+def test_auto_device_is_cuda_and_the_pool_fills_the_memory_share(model_dir):
+    utilization = 0.05
+    llm = LLM(str(model_dir), gpu_memory_utilization=utilization)  # device and dtype: auto
+    engine = llm.engine
+    assert isinstance(engine.runner.attn, FlashInferAttention)
+    assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+    total = torch.cuda.mem_get_info()[1]
+    pool_bytes = engine.block_manager.num_blocks * kv_bytes_per_block(
+        engine.model_config, engine.config.cache.block_size, torch.bfloat16
+    )
+    # What is left besides the pool: weights, a step's peak, CUDA context, graphs (~1 GiB).
+    assert utilization * total - 3 * 2**30 < pool_bytes < utilization * total
+    out = llm.generate([list(range(1, 40))], greedy(8))[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_a_share_too_small_for_the_kv_pool_is_a_clear_error(model_dir):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.001)
+
+
+# ---- numerics against the CPU -----------------------------------------------------------
+
+
+def teacher_forced_logits(
+    model_dir: Path, device: str, dtype: torch.dtype, tokens: list[list[int]]
+) -> list[torch.Tensor]:
+    """Every position's logits [len, vocab] (float32, CPU) for each sequence of `tokens`,
+    computed in steps that mix everything a step can hold: a prompt, a chunk over a cached
+    prefix, decodes before a prefill (the scheduler's order) and one after it."""
+    attn = FlashInferAttention(torch.device(device)) if device == "cuda" else TorchPagedAttention()
+    model, config = load_model(model_dir, dtype, device, attn)
+    if isinstance(attn, FlashInferAttention):
+        attn.configure(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
+    length = len(tokens[0])
+    pages = -(-length // BLOCK_SIZE)
+    order = torch.randperm(2 * pages + 1, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [order[:pages], order[pages : 2 * pages]]  # scattered blocks; one never used
+    shape = (2 * pages + 1, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    # Sequence 0: prompt 0:100, chunk 100:160, then decodes. Sequence 1 arrives at step 12:
+    # a 64-token prompt beside a decode, then a chunk placed *before* sequence 0's decode.
+    steps = [[(0, 0, 100)], [(0, 100, 160)]] + [[(0, p, p + 1)] for p in range(160, 170)]
+    steps.append([(0, 170, 171), (1, 0, 64)])
+    steps.append([(1, 64, 128), (0, 171, 172)])
+    steps += [
+        [(0, p, p + 1), (1, q, q + 1)] for p, q in zip(range(172, length), range(128, length))
+    ]
+    steps += [[(1, q, q + 1)] for q in range(128 + length - 172, length)]
+
+    logits: list[list[torch.Tensor]] = [[], []]
+    with torch.inference_mode():
+        for step in steps:
+            ids = [t for s, a, b in step for t in tokens[s][a:b]]
+            positions = [p for _, a, b in step for p in range(a, b)]
+            slots = [
+                tables[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                for s, a, b in step
+                for p in range(a, b)
+            ]
+            step_tables = [tables[s][: -(-b // BLOCK_SIZE)] for s, _, b in step]
+            width = max(len(t) for t in step_tables)
+            query_lens = [b - a for _, a, b in step]
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor(
+                    [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
+                ).to(device),
+                seq_lens=torch.tensor([b for _, _, b in step], dtype=torch.int32).to(device),
+                block_tables=(
+                    torch.tensor(
+                        [t + [0] * (width - len(t)) for t in step_tables], dtype=torch.int32
+                    )
+                    if device == "cpu"
+                    else None
+                ),
+                slot_mapping=torch.tensor(slots, device=device),
+                query_lens_cpu=query_lens,
+                seq_lens_cpu=[b for _, _, b in step],
+                block_size=BLOCK_SIZE,
+                block_tables_cpu=step_tables,
+            )
+            attn.plan(meta)
+            hidden = model(
+                torch.tensor(ids, device=device),
+                torch.tensor(positions, device=device),
+                kv_caches,
+                meta,
+            )
+            out = model.compute_logits(hidden).float().cpu()
+            for (s, _, _), rows in zip(step, out.split(query_lens)):
+                logits[s].append(rows)
+    return [torch.cat(per_seq) for per_seq in logits]
+
+
+def test_bf16_gpu_tracks_float32_cpu_teacher_forced(model_dir):
+    tokens = random_prompts(2, seed=3, lo=256, hi=256)
+    gpu = teacher_forced_logits(model_dir, "cuda", torch.bfloat16, tokens)
+    cpu = teacher_forced_logits(model_dir, "cpu", torch.float32, tokens)
+    for got, want in zip(gpu, cpu, strict=True):
+        assert got.shape == want.shape == (256, 400)
+        assert torch.isfinite(got).all()
+        relative = (got[-1] - want[-1]).norm() / want[-1].norm()
+        assert relative < 2e-2, relative
+        top2 = want.topk(2, dim=-1).values
+        decisive = top2[:, 0] - top2[:, 1] >= NEAR_TIE
+        agree = got.argmax(-1) == want.argmax(-1)
+        # A random-weight model has many near-ties (~1/4 of positions here) where bf16
+        # rounding alone flips the pick; everywhere else the GPU must agree.
+        print(  # the figures behind the verdict, for the GPU run's log (pytest -s)
+            f"bf16 vs fp32: last-position rel err {relative:.4f}, top-1 agreement "
+            f"{agree.float().mean():.3f} overall, {agree[decisive].float().mean():.3f} on "
+            f"{int(decisive.sum())} decisive positions"
+        )
+        assert agree[decisive].float().mean() >= 0.99, agree[decisive].float().mean()
+        assert agree.float().mean() >= 0.95, agree.float().mean()
+
+
+# ---- the engine on the GPU: each optimisation on and off ---------------------------------
+
+
+def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch):
+    # 13 prompts of mixed lengths whose outputs end at different steps: the decode batch
+    # shrinks 13 -> 1 through buckets 16, 8, 4, 2, 1, padded on most steps.
+    prompts = random_prompts(13, seed=4, lo=5, hi=70)
+    params = [greedy(6 + 3 * i) for i in range(13)]
+    eager = gpu_llm(model_dir, max_num_seqs=16, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    want = eager.generate(prompts, params)
+    del eager
+
+    llm = gpu_llm(model_dir, max_num_seqs=16)
+    graphs = llm.engine.runner.graphs
+    assert graphs.batch_sizes == [1, 2, 4, 8, 16]
+    replayed: list[int] = []
+    run = graphs.run
+    monkeypatch.setattr(
+        graphs, "run", lambda step: replayed.append(len(step.input_ids)) or run(step)
+    )
+    got = llm.generate(prompts, params)
+    assert_greedy_close(got, want)
+    assert {1, 2, 4, 8} <= set(replayed)  # batches that fill their bucket
+    assert {3, 5, 13} & set(replayed)  # and padded ones
+    # Single requests replay the one-sequence graph and agree too.
+    assert_greedy_close(llm.generate(prompts[:2], params[:2]), want[:2])
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("chunked_prefill", [False, True])
+def test_prefix_caching_and_chunked_prefill_keep_greedy_outputs(
+    model_dir, prefix_caching, chunked_prefill
+):
+    shared = random_prompts(1, seed=5, lo=40, hi=40)[0]
+    prompts = [shared + tail for tail in random_prompts(6, seed=6, lo=3, hi=60)]
+    params = greedy(16)
+
+    def run(llm: LLM) -> list[RequestOutput]:
+        first = llm.generate(prompts[:1], params)  # its blocks are cached for the others
+        return first + llm.generate(prompts[1:], params)
+
+    want = run(gpu_llm(model_dir, enable_prefix_caching=False, enable_chunked_prefill=False))
+    llm = gpu_llm(
+        model_dir,
+        enable_prefix_caching=prefix_caching,
+        enable_chunked_prefill=chunked_prefill,
+        max_num_batched_tokens=32,  # chunks every prompt here when chunking is on
+    )
+    assert_greedy_close(run(llm), want)
+    assert (llm.engine.block_manager.prefix_cache_stats.hit_tokens > 0) == prefix_caching
+
+
+def test_mixed_prefill_and_decode_steps_with_staggered_arrivals(model_dir, monkeypatch):
+    prompts = random_prompts(3, seed=7, lo=30, hi=150)
+    params = [greedy(24), greedy(20), greedy(16)]
+    solo = gpu_llm(model_dir)
+    want = [solo.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    del solo
+
+    llm = gpu_llm(model_dir, max_num_batched_tokens=48)
+    engine = llm.engine
+    planned: list[list[int]] = []  # query lengths of every eagerly run step
+    plan = engine.runner.attn.plan
+    monkeypatch.setattr(
+        engine.runner.attn, "plan", lambda meta: planned.append(meta.query_lens_cpu) or plan(meta)
+    )
+    events: dict[str, list] = {f"r{i}": [] for i in range(3)}
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, sp)
+        for _ in range(5):  # the next one arrives while this one decodes
+            for event in engine.step():
+                events[event.request_id].append(event)
+    while engine.has_unfinished_requests:
+        for event in engine.step():
+            events[event.request_id].append(event)
+    got = [RequestOutput.from_events(f"r{i}", p, 1, events[f"r{i}"]) for i, p in enumerate(prompts)]
+    assert_greedy_close(got, want)
+    assert any(1 in lens and max(lens) > 1 for lens in planned), planned
+
+
+def test_n_candidates_fork_on_the_gpu(model_dir):
+    llm = gpu_llm(model_dir)
+    prompt = random_prompts(1, seed=8, lo=21, hi=21)[0]  # 21 tokens: a partial last block
+    single = llm.generate([prompt], greedy(12))[0]
+    forked = llm.generate([prompt], SamplingParams(**{**greedy(12).__dict__, "n": 3}))[0]
+    # The children decode from a copy of the parent's partial block (copy_blocks on the
+    # GPU): same KV, same rows, so exactly the same tokens.
+    assert len({tuple(o.token_ids) for o in forked.outputs}) == 1
+    assert_greedy_close([RequestOutput(forked.request_id, prompt, forked.outputs[:1])], [single])
+    sampled = llm.generate(
+        [prompt], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    )[0]
+    assert all(
+        len(o.token_ids) == 12 and o.finish_reason is FinishReason.LENGTH for o in sampled.outputs
+    )
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+    assert llm.engine.block_manager.num_used_blocks == 0
