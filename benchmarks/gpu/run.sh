@@ -6,7 +6,7 @@
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache"])
 #
 # Steps (arguments, in any order): tests, kernels, bench, bench-hf (adds transformers),
-# smollm2. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
+# smollm2, profile. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
 # and unpack the ficache.tar.gz that comes back into .ficache/ for the next call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,13 +25,17 @@ status=0
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    tests) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee -a "$OUT/log.txt" ;;
+    tests) python3 -m pytest -q -s -m gpu tests/ -p no:cacheprovider 2>&1 | grep -v "it/s\]" \
+        | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
         --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt"
+        python3 benchmarks/gpu_profile.py --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile-kernels) python3 benchmarks/gpu_profile.py --kernels 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}
