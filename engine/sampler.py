@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.dispatch import use_triton
 from engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -140,9 +141,7 @@ class Sampler:
             scaled = logits / t.temperature[:, None]
             if t.needs_filters:
                 scaled = _apply_top_k_top_p_min_p(scaled, t.top_k, t.top_p, t.min_p)
-            probs = scaled.softmax(dim=-1)
-            noise = exponential_noise(t.seeds, t.counters, t.vocab_size)
-            sampled = (probs / noise).argmax(dim=-1)
+            sampled = exponential_race(scaled, t.seeds, t.counters)
             token_ids = torch.where(t.is_greedy, logits.argmax(dim=-1), sampled)
 
         # Logprobs describe the model's own distribution (log_softmax of the raw logits),
@@ -169,16 +168,34 @@ def prompt_logprobs(
     return chosen, top_ids, top_lps
 
 
-def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) draws [B, V], a pure function of (seed, counter, vocab index) per entry."""
+def exponential_race(
+    scaled: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+) -> torch.Tensor:
+    """argmax_v(softmax(scaled)_v / E_v) per row, E from exponential_noise: a draw from
+    softmax(scaled). On CUDA one Triton pass over the logits does it (the noise never
+    exists in memory, and the race runs in log space: argmax(scaled_v - log E_v))."""
+    if use_triton(scaled):
+        from engine.kernels import triton_kernels
+
+        return triton_kernels.exponential_race(scaled, row_keys(seeds, counters))
+    noise = exponential_noise(seeds, counters, scaled.shape[-1])
+    return (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+
+
+def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Each row's 32-bit key (int64 [B]): its seed and counter, hashed together."""
     seed_lo = seeds & _MASK32
     seed_hi = (seeds >> 32) & _MASK32  # arithmetic shift; the mask makes negatives fine
-    row_key = _fmix32(seed_lo ^ _SEED_SALT)
-    row_key = _fmix32(row_key ^ seed_hi)
-    row_key = _fmix32(row_key ^ (counters & _MASK32))
+    key = _fmix32(seed_lo ^ _SEED_SALT)
+    key = _fmix32(key ^ seed_hi)
+    return _fmix32(key ^ (counters & _MASK32))
+
+
+def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) draws [B, V], a pure function of (seed, counter, vocab index) per entry."""
     # SplitMix-style: walk a Weyl sequence from the row key, then finalise each step.
     vocab_offsets = _mul32(torch.arange(vocab_size, device=seeds.device), _GOLDEN32)
-    bits = _fmix32((row_key[:, None] + vocab_offsets[None, :]) & _MASK32)
+    bits = _fmix32((row_keys(seeds, counters)[:, None] + vocab_offsets[None, :]) & _MASK32)
     uniform = ((bits >> (32 - _UNIFORM_BITS)).float() + 0.5) * 2.0**-_UNIFORM_BITS
     return -torch.log(uniform)
 

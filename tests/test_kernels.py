@@ -248,6 +248,24 @@ def test_triton_store_kv(target: str, dtype: torch.dtype, cache_dtype: torch.dty
         assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_triton_exponential_race_picks_what_the_torch_race_picks(target: str) -> None:
+    """Same noise bit for bit, raced in log space: the same winner as softmax(x) / E."""
+    from engine.kernels import triton_kernels
+    from engine.sampler import exponential_noise, row_keys
+
+    device = "cuda" if target == "cuda" else "cpu"
+    rows, vocab = (64, 151936) if target == "cuda" else (6, 3001)
+    scaled = torch.randn(rows, vocab, device=device) * 3
+    scaled[0, 100:] = float("-inf")  # a filtered row: only the first 100 may win
+    seeds = torch.randint(-(2**62), 2**62, (rows,), device=device)
+    counters = torch.randint(0, 1000, (rows,), device=device)
+    want = (scaled.softmax(-1) / exponential_noise(seeds, counters, vocab)).argmax(-1)
+    got = triton_kernels.exponential_race(scaled, row_keys(seeds, counters))
+    assert got.dtype == torch.int64 and got[0] < 100
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and triton_importable()), reason="needs CUDA")
 def test_the_ops_capture_in_a_cuda_graph() -> None:

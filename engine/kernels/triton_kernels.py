@@ -176,7 +176,9 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, BLOCK_DIM)
-    mask = (slot >= 0) & (heads < num_heads)[:, None] & (dims < head_dim)[None, :]
+    # slot broadcast to a tensor first: a scalar bool in a mask trips Triton 3.9's interpreter
+    writes = (tl.zeros([BLOCK_HEADS], tl.int64) + slot >= 0) & (heads < num_heads)
+    mask = writes[:, None] & (dims < head_dim)[None, :]
     block = slot // block_size
     offset = slot % block_size
     k = tl.load(
@@ -225,3 +227,62 @@ def store_kv(
         BLOCK_DIM=block_dim,
         num_warps=_num_warps(block_heads * block_dim),
     )
+
+
+# ---- sampling: the exponential race of engine/sampler.py, in one pass over the logits ----
+
+
+@triton.jit
+def _mul32(x, constant: tl.constexpr):
+    # (x * constant) mod 2^32 in int64 by 16-bit halves, exactly as engine/sampler.py does,
+    # so the noise is bit-identical to the torch path's.
+    low_half: tl.constexpr = constant & 0xFFFF
+    high_half: tl.constexpr = constant >> 16
+    return (x * low_half + (((x * high_half) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+@triton.jit(do_not_specialize=["vocab_size"])
+def _exponential_race_kernel(
+    scaled_ptr, row_stride, row_keys_ptr, out_ptr, vocab_size, BLOCK: tl.constexpr
+):
+    # One program per row: argmax over v of scaled_v - log(E_v), E_v = -log(u_v) with u_v the
+    # row key's Weyl-walk hash of v. The same choice as argmax(softmax(scaled) / E), since
+    # log softmax only subtracts the row's constant log-normaliser.
+    row = tl.program_id(0).to(tl.int64)
+    key = tl.load(row_keys_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_index = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, vocab_size, BLOCK):
+        cols = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = cols < vocab_size
+        scaled = tl.load(scaled_ptr + row * row_stride + cols, mask=mask, other=float("-inf"))
+        bits = _fmix32((key + _mul32(cols, 0x9E3779B9)) & 0xFFFFFFFF)
+        uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+        value = scaled.to(tl.float32) - tl.log(-tl.log(uniform))
+        better = value > best  # strict: each lane keeps its first maximum
+        best = tl.where(better, value, best)
+        best_index = tl.where(better, cols, best_index)
+    top = tl.max(best, axis=0)
+    # The first index reaching the maximum, as torch.argmax picks.
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_index, vocab_size), axis=0))
+
+
+def exponential_race(scaled: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: per row, the exponential race's winner over scaled [B, V] (float32)."""
+    assert scaled.stride(-1) == 1
+    num_rows, vocab_size = scaled.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=scaled.device)
+    if num_rows:
+        _exponential_race_kernel[(num_rows,)](
+            scaled, scaled.stride(0), row_keys, out, vocab_size, BLOCK=2048, num_warps=8
+        )
+    return out
