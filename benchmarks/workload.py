@@ -87,10 +87,12 @@ def run_info() -> dict:
                 break
     except OSError:
         pass
-    commit = subprocess.run(
+    # A device machine gets a copy of the working tree whose git metadata can be stale: the
+    # caller names the commit there (BENCH_COMMIT=...), having committed first.
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
-    dirty = subprocess.run(
+    dirty = "BENCH_COMMIT" not in os.environ and subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
         capture_output=True,
         text=True,
@@ -105,3 +107,50 @@ def run_info() -> dict:
         "python": platform.python_version(),
         "torch": version("torch"),
     }
+
+
+@dataclass
+class CpuShare:
+    """CPU time the whole machine spent busy during a timed run, and how much of it was ours.
+
+    On a shared machine the rest ("others_s") is what other people's work took from the
+    cores while we measured. Linux only (/proc); `pids` are our processes (self, a server,
+    an engine child), read before they exit.
+    """
+
+    pids: list[int]
+    _machine: float = 0.0
+    _ours: float = 0.0
+
+    def start(self) -> CpuShare:
+        self._machine, self._ours = _machine_busy_s(), self._ours_s()
+        return self
+
+    def stop(self) -> dict:
+        machine = _machine_busy_s() - self._machine
+        ours = self._ours_s() - self._ours
+        others = max(0.0, machine - ours)
+        if others > 0.05 * machine:
+            print(f"warning: other processes took {others:.0f} of {machine:.0f} busy CPU seconds")
+        return {
+            "machine_busy_s": round(machine, 1),
+            "ours_s": round(ours, 1),
+            "others_s": round(others, 1),
+        }
+
+    def _ours_s(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+        return total
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / _TICKS
