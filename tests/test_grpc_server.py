@@ -512,3 +512,23 @@ async def test_an_engine_fault_fails_its_requests_with_internal_and_the_server_s
     response = await stub.Generate(pb.GenerateRequest(text="fine", **greedy(4)))
     assert len(response.candidates[0].token_ids) == 4
     assert core.block_manager.num_used_blocks == 0
+
+
+async def test_messages_over_the_size_limit_are_refused_and_the_server_serves_on(tiny_model):
+    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
+    engine = AsyncEngine(core)
+    engine.start()
+    srv = await start_server(ServerConfig(grpc_port=0, max_message_bytes=4096))
+    await srv.set_ready(engine, "tiny")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(pb.GenerateRequest(text="x" * 8192, **greedy(2)))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in err.value.details()
+            response = await stub.Generate(pb.GenerateRequest(text="small", **greedy(2)))
+            assert len(response.candidates[0].token_ids) == 2
+    finally:
+        await srv.stop()
+        engine.shutdown(timeout=5)
