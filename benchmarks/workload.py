@@ -89,15 +89,21 @@ def run_info() -> dict:
         pass
     # A device machine gets a copy of the working tree whose git metadata can be stale: the
     # caller names the commit there (BENCH_COMMIT=...), having committed first.
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    dirty = "BENCH_COMMIT" not in os.environ and subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    ).stdout.strip()
+    commit = (
+        os.environ.get("BENCH_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    )
+    dirty = (
+        "BENCH_COMMIT" not in os.environ
+        and subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        ).stdout.strip()
+    )
     return {
         "command": " ".join(["python", *sys.argv]),
         "commit": commit + ("-dirty" if dirty else ""),

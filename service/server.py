@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -307,6 +308,26 @@ def load_engine(engine_config: EngineConfig, config: ServerConfig) -> AsyncEngin
     return engine
 
 
+async def run_on_own_thread(fn, *args):
+    """fn(*args) on a fresh thread that ends with it. torch gives each thread that runs ops
+    its own OpenMP pool; one left behind on an idle executor thread makes libgomp see more
+    threads than cores and stop spin-waiting, which slows every CPU engine step by ~25%
+    (measured: benchmarks/RESULTS.md, "Serving over gRPC vs the offline engine")."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(done.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(done.set_result, result)
+
+    threading.Thread(target=target, name="model-load", daemon=True).start()
+    return await done
+
+
 async def warm_up(engine: AsyncEngine) -> None:
     """One request through prefill and decode, so the first real one pays no first-call costs."""
     prompt = engine.engine.tokenizer.encode("Hello") or [0]
@@ -326,7 +347,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     server = await start_server(config)
     log.info("gRPC on %s:%d; loading the model", config.host, server.port)
     # Off the loop, so health checks are answered (NOT_SERVING) while the model loads.
-    engine = await asyncio.to_thread(load_engine, engine_config, config)
+    engine = await run_on_own_thread(load_engine, engine_config, config)
     await warm_up(engine)
     model_name = engine.engine.model_path.name
     await server.set_ready(engine, model_name)
