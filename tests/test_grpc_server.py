@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -16,7 +18,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import SERVICE_NAME, ServerConfig, start_server
+from service.server import SERVICE_NAME, Server, ServerConfig, start_server
 from tests.tiny_models import write_tiny_model
 
 
@@ -25,18 +27,45 @@ def tiny_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("grpc-tiny"), "llama")
 
 
+@contextlib.asynccontextmanager
+async def serving(
+    model,
+    server_config: ServerConfig | None = None,  # default: any free port
+    max_queued_requests: int = 1024,
+    mailbox_size: int = 256,
+    start: bool = True,
+    **settings,
+) -> AsyncIterator[tuple[Server, LLMEngine, AsyncEngine]]:
+    """A ready server on a free loopback port over a tiny-model engine (started unless
+    start=False); stopped, with its engine, on the way out."""
+    settings = {"num_blocks": 64, "block_size": 4, **settings}
+    core = LLMEngine(engine_config_from_flat(model=str(model), **settings))
+    engine = AsyncEngine(core, max_queued_requests, mailbox_size)
+    if start:
+        engine.start()
+    srv = await start_server(server_config or ServerConfig(grpc_port=0))
+    await srv.set_ready(engine, "tiny")
+    try:
+        yield srv, core, engine
+    finally:
+        await srv.stop()
+        engine.shutdown(timeout=5)
+
+
+async def wait_until_gone(core: LLMEngine, request_id: str, timeout: float = 10) -> None:
+    """Poll until the engine no longer holds request_id (its cancel is asynchronous)."""
+    for _ in range(int(timeout / 0.02)):
+        if request_id not in core.requests:
+            return
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture
 async def server(tiny_model):
-    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4))
-    engine = AsyncEngine(core, max_queued_requests=64)
-    engine.start()
-    srv = await start_server(ServerConfig(grpc_port=0))
-    await srv.set_ready(engine, "tiny")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
-    yield inference_pb2_grpc.InferenceStub(channel), channel, core, f"127.0.0.1:{srv.port}"
-    await channel.close()
-    await srv.stop()
-    engine.shutdown(timeout=5)
+    async with serving(tiny_model, max_queued_requests=64, num_blocks=128) as (srv, core, _):
+        target = f"127.0.0.1:{srv.port}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            yield inference_pb2_grpc.InferenceStub(channel), channel, core, target
     assert core.block_manager.num_used_blocks == 0
 
 
@@ -147,10 +176,7 @@ async def test_unknown_model_and_duplicate_request_id(server):
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert err.value.details().startswith("request_id:")
     live.cancel()  # the client leaves: the server cancels the engine request
-    for _ in range(200):
-        if "dup" not in core.requests:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_gone(core, "dup", timeout=2)
     assert "dup" not in core.requests
 
 
@@ -177,10 +203,7 @@ async def test_deadline_cancels_engine_request(server):
             pb.GenerateRequest(request_id="slow", text="abc", **greedy(500)), timeout=0.3
         )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    for _ in range(100):
-        if "slow" not in core.requests:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_gone(core, "slow", timeout=2)
     assert "slow" not in core.requests
 
 
@@ -300,12 +323,9 @@ async def test_async_client_round_trip(server):
 async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
     from clients.client import AsyncInferenceClient, InferenceClient, RetryPolicy
 
-    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
-    engine = AsyncEngine(core, max_queued_requests=1)  # not started: the queue stays full
-    srv = await start_server(ServerConfig(grpc_port=0))
-    await srv.set_ready(engine, "tiny")
-    target = f"127.0.0.1:{srv.port}"
-    try:
+    # The engine is not started: the queue stays full until the test starts it.
+    async with serving(tiny_model, max_queued_requests=1, start=False) as (srv, _, engine):
+        target = f"127.0.0.1:{srv.port}"
         async with AsyncInferenceClient(target) as client:
             first = asyncio.ensure_future(
                 client.generate(pb.GenerateRequest(text="a", **greedy(2)))
@@ -328,9 +348,6 @@ async def test_clients_retry_a_full_queue_until_it_drains(tiny_model):
         )
         sync_client.close()
         assert len(response.candidates[0].token_ids) == 3
-    finally:
-        await srv.stop()
-        engine.shutdown(timeout=5)
 
 
 async def test_readiness_follows_the_engine_and_drain_refuses_new_work(tiny_model):
@@ -389,55 +406,36 @@ async def test_a_client_that_stops_reading_fails_alone(tiny_model):
     mailbox fills, the engine cancels its request and frees its blocks, and another client's
     request meanwhile runs to the end. The slow client finds RESOURCE_EXHAUSTED when it
     finally reads."""
-    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4))
-    engine = AsyncEngine(core, mailbox_size=4)
-    engine.start()
-    srv = await start_server(ServerConfig(grpc_port=0))
-    await srv.set_ready(engine, "tiny")
-    target = f"127.0.0.1:{srv.port}"
-    # A tiny receive window that never grows, so the server's writes block quickly.
-    slow_channel = grpc.aio.insecure_channel(
-        target, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
-    )
-    channel = grpc.aio.insecure_channel(target)
-    try:
-        slow = inference_pb2_grpc.InferenceStub(slow_channel).StreamGenerate(
-            pb.GenerateRequest(request_id="slow", token_ids=pb.TokenIds(ids=[5]), **greedy(480))
+    async with serving(tiny_model, mailbox_size=4, num_blocks=128) as (srv, core, _):
+        target = f"127.0.0.1:{srv.port}"
+        # A tiny receive window that never grows, so the server's writes block quickly.
+        slow_channel = grpc.aio.insecure_channel(
+            target, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
         )
-        await slow.initial_metadata()
-        for _ in range(500):
-            if "slow" not in core.requests:
-                break
-            await asyncio.sleep(0.02)
-        assert "slow" not in core.requests  # cancelled in the engine without a single read
-        other = await inference_pb2_grpc.InferenceStub(channel).Generate(
-            pb.GenerateRequest(text="fine", **greedy(100))
-        )
-        assert len(other.candidates[0].token_ids) == 100
-        assert core.block_manager.num_used_blocks == 0
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            while await slow.read() is not grpc.aio.EOF:
-                pass
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "fell behind" in err.value.details()
-    finally:
-        await slow_channel.close()
-        await channel.close()
-        await srv.stop()
-        engine.shutdown(timeout=5)
+        async with slow_channel, grpc.aio.insecure_channel(target) as channel:
+            slow = inference_pb2_grpc.InferenceStub(slow_channel).StreamGenerate(
+                pb.GenerateRequest(request_id="slow", token_ids=pb.TokenIds(ids=[5]), **greedy(480))
+            )
+            await slow.initial_metadata()
+            await wait_until_gone(core, "slow")
+            assert "slow" not in core.requests  # cancelled in the engine without a single read
+            other = await inference_pb2_grpc.InferenceStub(channel).Generate(
+                pb.GenerateRequest(text="fine", **greedy(100))
+            )
+            assert len(other.candidates[0].token_ids) == 100
+            assert core.block_manager.num_used_blocks == 0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while await slow.read() is not grpc.aio.EOF:
+                    pass
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "fell behind" in err.value.details()
 
 
 async def test_queue_limit_4_with_40_at_once_rejects_some_and_serves_the_rest(tiny_model):
     """The bound is on requests not yet running: with 2 running slots and 4 queue places,
     a burst of 40 gets RESOURCE_EXHAUSTED (with a retry hint) for the rest; none hang."""
-    core = LLMEngine(
-        engine_config_from_flat(model=str(tiny_model), num_blocks=128, block_size=4, max_num_seqs=2)
-    )
-    engine = AsyncEngine(core, max_queued_requests=4)
-    engine.start()
-    srv = await start_server(ServerConfig(grpc_port=0))
-    await srv.set_ready(engine, "tiny")
-    try:
+    limited = serving(tiny_model, max_queued_requests=4, num_blocks=128, max_num_seqs=2)
+    async with limited as (srv, core, _):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
 
@@ -456,9 +454,6 @@ async def test_queue_limit_4_with_40_at_once_rejects_some_and_serves_the_rest(ti
         assert 4 <= len(done) <= 12 and len(done) + len(refused) == 40
         assert all(len(r.candidates[0].token_ids) == 30 for r in done)
         assert core.num_generated_tokens == 30 * len(done) + 0  # the refused never ran
-    finally:
-        await srv.stop()
-        engine.shutdown(timeout=5)
 
 
 async def test_generate_is_traced_under_the_callers_trace(tiny_model):
@@ -467,21 +462,13 @@ async def test_generate_is_traced_under_the_callers_trace(tiny_model):
     from service.tracing import RequestTracer
 
     trace_id, caller_span = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
-    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
-    engine = AsyncEngine(core)
-    engine.start()
-    srv = await start_server(ServerConfig(grpc_port=0))
     exporter = InMemorySpanExporter()
-    srv.service.tracer = RequestTracer(exporter)
-    await srv.set_ready(engine, "tiny")
-    try:
+    async with serving(tiny_model) as (srv, _, _):  # stopping the server flushes the spans
+        srv.service.tracer = RequestTracer(exporter)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             metadata = (("traceparent", f"00-{trace_id:032x}-{caller_span:016x}-01"),)
             stub = inference_pb2_grpc.InferenceStub(channel)
             await stub.Generate(pb.GenerateRequest(text="hi", **greedy(4)), metadata=metadata)
-    finally:
-        await srv.stop()  # flushes the spans
-        engine.shutdown(timeout=5)
     spans = {s.name: s for s in exporter.get_finished_spans()}
     rpc = spans[f"{SERVICE_NAME}/Generate"]
     assert rpc.context.trace_id == trace_id and rpc.parent.span_id == caller_span
@@ -515,12 +502,11 @@ async def test_an_engine_fault_fails_its_requests_with_internal_and_the_server_s
 
 
 async def test_messages_over_the_size_limit_are_refused_and_the_server_serves_on(tiny_model):
-    core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
-    engine = AsyncEngine(core)
-    engine.start()
-    srv = await start_server(ServerConfig(grpc_port=0, max_message_bytes=4096))
-    await srv.set_ready(engine, "tiny")
-    try:
+    async with serving(tiny_model, ServerConfig(grpc_port=0, max_message_bytes=4096)) as (
+        srv,
+        _,
+        _,
+    ):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -529,6 +515,3 @@ async def test_messages_over_the_size_limit_are_refused_and_the_server_serves_on
             assert "larger than max" in err.value.details()
             response = await stub.Generate(pb.GenerateRequest(text="small", **greedy(2)))
             assert len(response.candidates[0].token_ids) == 2
-    finally:
-        await srv.stop()
-        engine.shutdown(timeout=5)
