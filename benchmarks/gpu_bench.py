@@ -188,6 +188,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
@@ -273,6 +274,12 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap the host's next step with the GPU's current one (default: on)",
+    )
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()

@@ -4,7 +4,9 @@
 
 The evidence behind "Triton where a library has none (or show that torch.compile does as
 well)". Shapes are Qwen3-0.6B's: hidden 1024, 16 q / 8 kv heads of 128, intermediate
-3072, bf16, at 1 to 8192 tokens. Each op runs three ways on the same inputs:
+3072, vocab 151,936, bf16, at 1 to 8192 tokens; the sampler's fast path (no penalty, ban,
+filter or logprobs: temperature 0.6 on every row) at 1 and 256 rows of logits, in the
+tokens column. Each op runs three ways on the same inputs:
 
 - triton: engine/kernels/triton_kernels.py;
 - eager: the torch path (engine/kernels' CPU code) run on the GPU;
@@ -20,6 +22,8 @@ and is timed twice:
 store_kv's torch path finds padding rows with a host sync and cannot be captured, so its
 eager and compile columns time the plain indexed write it reduces to when no row is
 padding (a prefill's case).
+
+    python benchmarks/gpu_kernels.py --tokens 1 256 --sample-rows 1 256   # decode shapes only
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,8 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workload import run_info  # noqa: E402
 from engine.kernels.activation import silu_and_mul_torch  # noqa: E402
 from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
+from engine.kernels.rotary import rotary_qk_torch  # noqa: E402
+from engine.sampler import exponential_race_torch  # noqa: E402
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
+VOCAB = 151936
 BLOCK_SIZE = 16
 EPS = 1e-6
 IMPLS = ("triton", "eager", "compile")
@@ -61,8 +68,10 @@ class Op:
     """One op at one token count: a call per implementation, and the bytes it must move."""
 
     name: str
-    calls: dict[str, Callable[[], torch.Tensor]]  # each returns what to compare
+    calls: dict[str, Callable[[], torch.Tensor | tuple[torch.Tensor, ...]]]  # what to compare
     bytes_moved: int
+    # How close each implementation's result must be to eager's before it is timed.
+    tolerance: dict[str, float] = field(default_factory=lambda: {"rtol": 2e-2, "atol": 1e-2})
 
 
 def store_kv_indexed(
@@ -76,7 +85,14 @@ def store_kv_indexed(
 
 COMPILED = {  # compiled lazily, on first call, once per shape
     fn: torch.compile(fn, dynamic=False)
-    for fn in (fused_add_rms_norm_torch, rms_norm_torch, silu_and_mul_torch, store_kv_indexed)
+    for fn in (
+        fused_add_rms_norm_torch,
+        rms_norm_torch,
+        silu_and_mul_torch,
+        store_kv_indexed,
+        rotary_qk_torch,
+        exponential_race_torch,
+    )
 }
 
 
@@ -103,6 +119,19 @@ def make_ops(tokens: int, dtype: torch.dtype) -> list[Op]:
         "triton": lambda: triton_kernels.rms_norm(q, head_weight, EPS),
         "eager": lambda: rms_norm_torch(q, head_weight, EPS),
         "compile": lambda: COMPILED[rms_norm_torch](q, head_weight, EPS),
+    }
+
+    # Qwen3's attention input: q and k normed per head and rotated, read from the qkv output.
+    k_heads = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM]
+    k_heads = k_heads.view(tokens, NUM_KV_HEADS, HEAD_DIM)
+    angles = torch.rand(tokens, HEAD_DIM // 2, device="cuda") * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    q_weight, k_weight = (1 + 0.1 * randn(HEAD_DIM) for _ in range(2))
+    rotary_args = (q, k_heads, cos, sin, q_weight, k_weight, EPS)
+    rotary = {
+        "triton": lambda: triton_kernels.rotary_qk(*rotary_args),
+        "eager": lambda: rotary_qk_torch(*rotary_args),
+        "compile": lambda: COMPILED[rotary_qk_torch](*rotary_args),
     }
 
     gate_up = randn(tokens, 2 * INTERMEDIATE)
@@ -136,12 +165,44 @@ def make_ops(tokens: int, dtype: torch.dtype) -> list[Op]:
     }
 
     row_bytes = tokens * size
+    qk_bytes = row_bytes * (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM * 2  # read q, k; write both
     return [
         Op("fused_add_rms_norm", add_norm, row_bytes * HIDDEN * 4),  # read x, r; write out, r
         Op("rms_norm q heads", qk_norm, row_bytes * NUM_HEADS * HEAD_DIM * 2),
+        # An input one bf16 ulp off (its rsqrt) rotates into an output one ulp of the input
+        # off, however small the output (tests/test_kernels.py rotary_tolerance).
+        Op(
+            "rotary_qk + qk norm",
+            rotary,
+            qk_bytes + tokens * HEAD_DIM * 4,
+            {"rtol": 2e-2, "atol": 0.125},
+        ),
         Op("silu_and_mul", silu, row_bytes * INTERMEDIATE * 3),
         Op("store_kv", store, row_bytes * NUM_KV_HEADS * HEAD_DIM * 4),
     ]
+
+
+def make_sampler_op(rows: int, dtype: torch.dtype) -> Op:
+    """The sampler's fast path: every row tempered (0.6, as gpu_bench.py samples) and raced."""
+    from engine.kernels import triton_kernels
+
+    logits = 3 * torch.randn(rows, VOCAB, device="cuda", dtype=dtype)
+    args = (
+        logits,
+        torch.full((rows,), 0.6, device="cuda"),  # temperature
+        torch.zeros(rows, dtype=torch.bool, device="cuda"),  # is_greedy
+        torch.randint(2**40, (rows,), device="cuda"),  # seeds
+        torch.randint(1000, (rows,), device="cuda"),  # counters
+    )
+    calls = {
+        "triton": lambda: triton_kernels.exponential_race(*args),
+        "eager": lambda: exponential_race_torch(*args),
+        "compile": lambda: COMPILED[exponential_race_torch](*args),
+    }
+    # The same seeds draw the same tokens on every path: the check is exact.
+    return Op(
+        "sampler fast path", calls, logits.numel() * logits.element_size(), {"rtol": 0, "atol": 0}
+    )
 
 
 def measure(op: Op, tokens: int, impl: str) -> Result:
@@ -149,7 +210,7 @@ def measure(op: Op, tokens: int, impl: str) -> Result:
 
     call = op.calls[impl]
     try:
-        torch.testing.assert_close(call(), op.calls["eager"](), rtol=2e-2, atol=1e-2)  # sanity only
+        torch.testing.assert_close(call(), op.calls["eager"](), **op.tolerance)  # sanity only
         graph_ms = triton.testing.do_bench_cudagraph(call, return_mode="median")
         launch_ms = triton.testing.do_bench(call, return_mode="median")
     except Exception as error:  # one failing implementation must not lose the whole table
@@ -180,6 +241,9 @@ def print_table(results: list[Result]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 2048, 8192])
+    parser.add_argument(
+        "--sample-rows", type=int, nargs="*", default=[1, 256], help="rows of logits to sample"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json-out", type=Path, help="also write the results here")
     args = parser.parse_args()
@@ -188,12 +252,17 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     # One compile per token count: past the limit torch.compile would fall back to eager.
-    torch._dynamo.config.recompile_limit = max(8, 2 * len(args.tokens))
+    torch._dynamo.config.recompile_limit = max(8, 2 * len(args.tokens), 2 * len(args.sample_rows))
     torch.manual_seed(0)
     results = [
         measure(op, tokens, impl)
         for tokens in args.tokens
         for op in make_ops(tokens, dtype)
+        for impl in IMPLS
+    ]
+    results += [
+        measure(make_sampler_op(rows, dtype), rows, impl)
+        for rows in args.sample_rows
         for impl in IMPLS
     ]
     print_table(results)
@@ -210,6 +279,7 @@ def main() -> None:
                 "num_kv_heads": NUM_KV_HEADS,
                 "head_dim": HEAD_DIM,
                 "intermediate": INTERMEDIATE,
+                "vocab": VOCAB,
             },
         }
         payload = {"run": info, "results": [asdict(result) for result in results]}

@@ -66,8 +66,8 @@ def main() -> None:
         return
     totals: dict[str, float] = defaultdict(float)
     engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
-    runner.execute = timed(totals, "runner.execute (all)", runner.execute)
-    runner._sample = timed(totals, "  sample + wait for GPU", runner._sample)
+    runner.execute = timed(totals, "runner.execute (queue a step)", runner.execute)
+    runner.collect = timed(totals, "runner.collect (wait, read back)", runner.collect)
     engine._append_token = timed(totals, "append tokens (detok, stops)", engine._append_token)
     steps = [0]
     engine.step = timed(totals, "engine.step (all)", _counting(engine.step, steps))

@@ -63,6 +63,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own context length
     seed: int = 0  # seeds the draws for requests that bring no seed
     enforce_eager: bool = False  # CUDA: never replay CUDA graphs (run every step eagerly)
+    # Queue step t+1 before reading step t's tokens back (engine.step). None: on for CUDA,
+    # off for the CPU, where the host computes the step itself and nothing would overlap.
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -81,6 +84,12 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
 
     @property
     def torch_dtype(self) -> torch.dtype:

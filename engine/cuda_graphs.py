@@ -3,9 +3,10 @@
 A decode step launches hundreds of small kernels, and on a slow host their launch time,
 not the GPU, sets the pace. So once the KV pool exists, the whole model forward is
 captured for each bucket size (largest first, every graph in one shared memory pool) over
-static buffers (GraphBuffers). A step of n decodes then copies its inputs into the first n
-rows of the smallest bucket b >= n, plans attention for b sequences (flashinfer's plan is
-host code: it runs before the replay, outside the graph) and replays.
+static buffers (GraphBuffers). A step of n decodes is padded to the smallest bucket
+b >= n (DecodeInputs.padded, batch_size_for), its uploaded inputs are copied into the
+first b columns of the static buffer, attention is planned for b sequences (flashinfer's
+plan is host code: it runs before the replay, outside the graph) and the graph replays.
 
 Rows n..b are padding: token 0 at position 0, KV written nowhere (slot -1), attending to
 a one-token dummy page (block 0, whatever it holds); their outputs are dropped.
@@ -74,9 +75,7 @@ class GraphBuffers:
     """What every captured graph reads and writes (rows [0, its batch size)); a replay
     refills the inputs and page tables first."""
 
-    input_ids: torch.Tensor  # int64 [max_batch]
-    positions: torch.Tensor  # int64 [max_batch]
-    slot_mapping: torch.Tensor  # int64 [max_batch]
+    token_inputs: torch.Tensor  # int64 [3, max_batch]: token ids, positions, KV slots
     # flashinfer's page tables, filled by FlashInferAttention.plan_graph()
     kv_indptr: torch.Tensor  # int32 [max_batch + 1]
     kv_indices: torch.Tensor  # int32 [max_batch * max_blocks_per_seq]
@@ -96,9 +95,7 @@ class GraphBuffers:
             return torch.zeros(size, dtype=dtype, device=device)
 
         return cls(
-            input_ids=zeros(max_batch, torch.int64),
-            positions=zeros(max_batch, torch.int64),
-            slot_mapping=zeros(max_batch, torch.int64),
+            token_inputs=torch.zeros(3, max_batch, dtype=torch.int64, device=device),
             kv_indptr=zeros(max_batch + 1, torch.int32),
             kv_indices=zeros(max_batch * max_blocks_per_seq, torch.int32),
             kv_last_page_len=zeros(max_batch, torch.int32),
@@ -134,27 +131,30 @@ class CudaGraphRunner:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    @torch.inference_mode()
-    def run(self, step: DecodeInputs) -> torch.Tensor:
-        """Replay the smallest graph that holds the step; its rows' hidden states [n, hidden],
-        a view of the static output that the next replay overwrites."""
-        n = len(step.input_ids)
-        batch_size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        self._stage(step.padded(batch_size))
-        self.graphs[batch_size].replay()
-        return self.buffers.hidden[:n]
+    def batch_size_for(self, num_seqs: int) -> int:
+        """The captured batch size a step of num_seqs decodes replays at."""
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
 
-    def _stage(self, step: DecodeInputs) -> None:
+    @torch.inference_mode()
+    def run(
+        self,
+        token_inputs: torch.Tensor,  # int64 [3, b] on the device: ids, positions, slots
+        seq_lens: list[int],  # [b]
+        block_tables: list[list[int]],  # [b]
+    ) -> torch.Tensor:
+        """Replay the graph of a step padded to a captured batch size b (DecodeInputs.padded);
+        the hidden states [b, hidden], a view of the static output the next replay overwrites."""
+        batch_size = len(seq_lens)
+        self._stage(token_inputs, seq_lens, block_tables)
+        self.graphs[batch_size].replay()
+        return self.buffers.hidden[:batch_size]
+
+    def _stage(
+        self, token_inputs: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]]
+    ) -> None:
         """Copy a padded step's inputs into the static buffers and plan its attention."""
-        b, size = self.buffers, len(step.input_ids)
-        for host, static in (
-            (step.input_ids, b.input_ids),
-            (step.positions, b.positions),
-            (step.slot_mapping, b.slot_mapping),
-        ):
-            pinned = torch.tensor(host, dtype=torch.int64, pin_memory=True)
-            static[:size].copy_(pinned, non_blocking=True)
-        self.attn.plan_graph(step.seq_lens, step.block_tables, self.block_size)
+        self.buffers.token_inputs[:, : len(seq_lens)].copy_(token_inputs)
+        self.attn.plan_graph(seq_lens, block_tables, self.block_size)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -165,7 +165,11 @@ class CudaGraphRunner:
             self.attn.add_graph_batch_size(
                 size, b.kv_indptr[: size + 1], b.kv_indices, b.kv_last_page_len[:size]
             )
-            self._stage(DecodeInputs([], [], [], [], []).padded(size))  # all padding
+            padding = DecodeInputs([], [], [], [], []).padded(size)
+            inputs = [padding.input_ids, padding.positions, padding.slot_mapping]
+            self._stage(
+                torch.tensor(inputs, device=self.device), padding.seq_lens, padding.block_tables
+            )
             meta = self._capture_meta(size)
             self._forward(size, meta)  # warm-up: JIT compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
@@ -183,8 +187,8 @@ class CudaGraphRunner:
         )
 
     def _forward(self, size: int, meta: AttentionMetadata) -> None:
-        b = self.buffers
-        b.hidden[:size] = self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, meta)
+        input_ids, positions = self.buffers.token_inputs[:2, :size]
+        self.buffers.hidden[:size] = self.model(input_ids, positions, self.kv_caches, meta)
 
     def _capture_meta(self, size: int) -> AttentionMetadata:
         """The metadata a graph is captured with. Its kernels read only slot_mapping (a
@@ -194,7 +198,7 @@ class CudaGraphRunner:
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=self.device),
             seq_lens=torch.ones(size, dtype=torch.int32, device=self.device),
             block_tables=None,
-            slot_mapping=self.buffers.slot_mapping[:size],
+            slot_mapping=self.buffers.token_inputs[2, :size],
             query_lens_cpu=[1] * size,
             seq_lens_cpu=[1] * size,
             block_size=self.block_size,

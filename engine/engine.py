@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
@@ -24,9 +25,9 @@ from engine.model.loader import load_model
 from engine.model_store import resolve_model
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.request import Request, Sequence, SequenceStatus
-from engine.runner import ModelRunner, SampleRow, kv_bytes_per_block
+from engine.runner import LaunchedStep, ModelRunner, PendingTokens, SampleRow, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
@@ -34,6 +35,25 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class _StepInFlight:
+    """A launched step, until its results are collected."""
+
+    chunks: list[ScheduledChunk]
+    row_owners: list[tuple[Sequence, int | None]]  # per sample row: (sequence, fork index)
+    pending_rows: dict[Sequence, int]  # sequences whose next token it samples -> its row
+    launched: LaunchedStep
+    collect_before_next: bool  # the next schedule needs this step's tokens on the host
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
 
 
 def candidate_seed(seed: int, index: int) -> int:
@@ -104,6 +124,7 @@ class LLMEngine:
         )
 
         self.requests: dict[str, Request] = {}
+        self._in_flight: _StepInFlight | None = None  # async scheduling: launched, not collected
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
         # Cumulative work counters (EngineStats). Prompt tokens count what was computed:
@@ -205,7 +226,8 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests are running, or a step is still in flight (step() collects it)."""
+        return bool(self.requests) or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         """A snapshot of load and counters; call it on the thread that steps the engine."""
@@ -227,26 +249,66 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------
 
     def step(self) -> list[CandidateEvent]:
-        sched = self.scheduler.schedule()
+        """Schedule and queue a step; return the events of the step that finished.
+
+        With async scheduling the device runs ahead by one step: this call queues step t+1,
+        and only then waits for step t and turns its tokens into events, so the host's work
+        between two steps overlaps the device's. Without it (the CPU), each call runs its
+        own step start to end.
+        """
+        events: list[CandidateEvent] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.collect_before_next:
+            events += self._collect(previous)
+            previous = None
+        launched = self._launch(self.scheduler.schedule(), previous, events)
+        if previous is not None:
+            events += self._collect(previous)
+        if launched is not None:
+            if self.config.overlaps_steps:
+                self._in_flight = launched
+            else:
+                events += self._collect(launched)
+        return events
+
+    def _launch(
+        self,
+        sched: SchedulerOutput,
+        previous: _StepInFlight | None,
+        events: list[CandidateEvent],
+    ) -> _StepInFlight | None:
+        """Queue a scheduled step on the device. On a failure its requests end (events)."""
         if sched.is_empty:
-            return []
+            return None
         self.num_steps += 1
         now = time.monotonic()
         for chunk in sched.chunks:
             timing = chunk.seq.request.timing
             timing.first_scheduled = timing.first_scheduled or now
 
-        sample_rows, row_seqs = self._sample_rows(sched.chunks)
+        sample_rows, row_owners = self._sample_rows(sched.chunks)
         prompt_lp_chunks = {
             i: c.seq.request.params.prompt_logprobs
             for i, c in enumerate(sched.chunks)
             if c.seq.request.prompt_logprobs_pending and c.start < c.seq.num_prompt_tokens
         }
+        pending = None
+        if previous is not None:
+            rows = previous.pending_rows
+            pending = PendingTokens(
+                previous.launched.token_ids,
+                {
+                    i: rows[c.seq]
+                    for i, c in enumerate(sched.chunks)
+                    if c.end > len(c.seq.token_ids)
+                },
+            )
         try:
-            result = self.runner.execute(sched.chunks, sample_rows, prompt_lp_chunks)
+            launched = self.runner.execute(sched.chunks, sample_rows, prompt_lp_chunks, pending)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             log.exception("step failed; failing %d requests", len(sched.chunks))
-            return self._fail_step(sched.chunks, f"engine error: {type(exc).__name__}: {exc}")
+            events += self._fail_step(sched.chunks, f"engine error: {type(exc).__name__}: {exc}")
+            return None
 
         for chunk in sched.chunks:
             seq = chunk.seq
@@ -254,9 +316,40 @@ class LLMEngine:
             self.num_prompt_tokens_computed += max(
                 0, min(chunk.end, seq.num_prompt_tokens) - chunk.start
             )
-            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, chunk.end)
+            # Blocks are published once the host knows all their tokens; a pending one's
+            # block follows with a later step.
+            known = min(chunk.end, len(seq.token_ids))
+            self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, known)
+        pending_rows = {}
+        for row, (seq, fork_index) in enumerate(row_owners):
+            if fork_index is None:
+                seq.num_pending_tokens += 1
+                pending_rows[seq] = row
+        return _StepInFlight(
+            chunks=sched.chunks,
+            row_owners=row_owners,
+            pending_rows=pending_rows,
+            launched=launched,
+            # The next step needs this one's tokens on the host when they start new
+            # candidates, or feed a penalty's token history.
+            collect_before_next=any(
+                index is not None or _uses_penalties(seq.request.params)
+                for seq, index in row_owners
+            ),
+        )
+
+    def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
+        """Wait for a launched step and turn its results into events."""
+        for seq in step.pending_rows:
+            seq.num_pending_tokens -= 1
+        try:
+            result = self.runner.collect(step.launched)
+        except Exception as exc:
+            log.exception("step failed; failing %d requests", len(step.chunks))
+            return self._fail_step(step.chunks, f"engine error: {type(exc).__name__}: {exc}")
+
         for i, lps in result.prompt_logprobs.items():
-            chunk = sched.chunks[i]
+            chunk = step.chunks[i]
             request = chunk.seq.request
             if request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob
@@ -267,9 +360,11 @@ class LLMEngine:
 
         # Fork new candidates before any token lands: a parent that finishes on its first
         # token frees its blocks, and the children must have taken their share by then.
+        # A sequence that ended while the step ran (a stop, an abort) drops its token.
         targets = [
             (self._fork(seq, fork_index) if fork_index is not None else seq, sampled)
-            for (seq, fork_index), sampled in zip(row_seqs, result.sampled)
+            for (seq, fork_index), sampled in zip(step.row_owners, result.sampled)
+            if not seq.is_finished
         ]
         self.num_generated_tokens += len(targets)
         return [self._append_token(seq, s.token_id, s.logprob) for seq, s in targets]
@@ -299,7 +394,7 @@ class LLMEngine:
     def _row(self, chunk_index: int, seq: Sequence, seed: int) -> SampleRow:
         params = seq.request.params
         banned: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
+        if seq.num_sampled_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned.extend(self.eos_token_ids)
@@ -307,6 +402,7 @@ class LLMEngine:
             chunk_index=chunk_index,
             params=params,
             seed=seed,
+            num_sampled=seq.num_sampled_tokens,
             prompt_ids=seq.request.prompt_token_ids,
             output_ids=seq.output_token_ids,
             banned_ids=banned,

@@ -8,9 +8,12 @@ KV regions of a sequence's token_ids (prompt + output so far):
 
     [0, num_cached_tokens)                   KV reused from the prefix cache at admission
     [0, num_computed_tokens)                 KV present in the blocks of block_table
-    [num_computed_tokens, len(token_ids))    still to compute; a step schedules a chunk of it
+    [num_computed_tokens, num_tokens)        still to compute; a step schedules a chunk of it
 
-A sequence samples its next token in the step whose chunk reaches len(token_ids).
+num_tokens counts, beyond token_ids, the tokens sampled by steps still in flight on the
+device (num_pending_tokens, with async scheduling): the next step can already compute
+them, reading their ids on the device, before the host has read them back.
+A sequence samples its next token in the step whose chunk reaches num_tokens.
 Preemption by recompute frees the blocks and sets num_computed_tokens back to 0.
 """
 
@@ -79,6 +82,7 @@ class Sequence:
     stop_matcher: StopStringMatcher
     block_table: BlockTable = field(default_factory=lambda: BlockTable([]))
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by a step in flight, not yet in token_ids
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -91,8 +95,18 @@ class Sequence:
         return self.request.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has (token_ids); pending ones are not counted."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, pending ones included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -100,7 +114,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def has_all_tokens(self) -> bool:
+        """It has sampled max_tokens: whatever the pending ones are, it finishes with them."""
+        return self.num_sampled_tokens >= self.request.max_tokens
 
     @property
     def is_finished(self) -> bool:

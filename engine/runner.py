@@ -4,10 +4,15 @@ The runner owns the KV pool (one tensor per layer, layout in engine/attention/ba
 and knows nothing of requests beyond what a step hands it: chunks of token ids with
 their block tables, and the rows to sample.
 
-A step builds its inputs as host lists, then either replays a CUDA graph (a pure-decode
-step on CUDA, engine/cuda_graphs.py) or moves them to the device, plans attention once
-and runs the model eagerly. On CUDA the host tensors are pinned and every copy to the
-device is asynchronous: the only host sync of a step is reading the sampled token ids.
+A step builds its inputs as host arrays, moves them to the device in one asynchronous
+copy, then either replays a CUDA graph (a pure-decode step on CUDA, engine/cuda_graphs.py)
+or plans attention once and runs the model eagerly. execute() only queues that work and
+returns a LaunchedStep; collect() waits for it and reads the samples back: on CUDA the one
+host sync of a step, which the engine can put after queueing the next step.
+
+A step may compute a token the host has not read back yet (the last token of a sequence,
+sampled by the step before, still in flight): its id is copied on the device from that
+step's samples (PendingTokens) after the upload.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -36,8 +42,9 @@ class SampleRow:
     chunk_index: int
     params: SamplingParams
     seed: int
+    num_sampled: int  # output tokens sampled before this one: the row's random counter
     prompt_ids: list[int]
-    output_ids: list[int]
+    output_ids: list[int]  # complete whenever the row uses a penalty
     banned_ids: list[int]  # e.g. EOS and stop token ids while below min_tokens
 
 
@@ -55,15 +62,38 @@ class StepResult:
 
 
 @dataclass
+class PendingTokens:
+    """Input tokens only the device has yet: sampled by the step still in flight."""
+
+    token_ids: torch.Tensor  # int64 [R]: that step's samples, on the device
+    rows: dict[int, int]  # chunk index -> row of token_ids that is the chunk's last token
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; ModelRunner.collect() reads it back."""
+
+    rows: list[SampleRow]
+    token_ids: torch.Tensor  # int64 [R] on the device: the next step's PendingTokens
+    # Host copies of the samples (pinned; being filled asynchronously on CUDA): token ids,
+    # then, when a row asked for logprobs, the chosen logprobs, top ids and top logprobs.
+    host_outputs: list[torch.Tensor]
+    copied: torch.cuda.Event | None  # recorded after the copies; None on the CPU
+    prompt_logprobs: dict[int, list[TokenLogprob]]  # already on the host (rarely asked for)
+
+
+@dataclass
 class StepInputs:
     """A step's flat varlen batch on the host (layout in engine/attention/base.py)."""
 
-    input_ids: list[int]  # [T]
+    input_ids: list[int]  # [T]; 0 where the token is pending (filled on the device)
     positions: list[int]  # [T]
     slot_mapping: list[int]  # [T]
     query_lens: list[int]  # [B]
     seq_lens: list[int]  # [B]
     block_tables: list[list[int]]  # [B], each the blocks holding that sequence's seq_len tokens
+    pending_at: list[int]  # flat rows whose token is pending ...
+    pending_from: list[int]  # ... and the rows of PendingTokens.token_ids holding them
 
     @property
     def query_starts(self) -> list[int]:  # [B + 1]
@@ -74,6 +104,37 @@ class StepInputs:
         return DecodeInputs(
             self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables
         )
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays as tensors on `device`. On CUDA all of them travel in one asynchronous
+    copy from one pinned buffer: each separate copy would cost a launch, and a copy from
+    unpinned memory waits for every kernel queued before it."""
+    if device.type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 8) * 8  # every part starts 8-byte aligned, as int64 needs
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    staging_bytes = staging.numpy()
+    for a, offset in zip(arrays, offsets, strict=True):
+        staging_bytes[offset : offset + a.nbytes] = (
+            np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        )
+    on_device = staging.to(device, non_blocking=True)
+    return [
+        on_device[offset : offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+        for a, offset in zip(arrays, offsets, strict=True)
+    ]
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -163,12 +224,15 @@ class ModelRunner:
             query_lens=lens,
             seq_lens=lens,
             block_tables=[[0] * -(-n // bs) for n in lens],
+            pending_at=[],
+            pending_from=[],
         )
-        input_ids, positions, meta = self._to_device(step)
+        token_inputs, query_starts, seq_lens = upload(self._step_arrays(step, None), self.device)
+        meta = self._eager_metadata(step, token_inputs[2], query_starts, seq_lens)
         self.attn.plan(meta)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden = self.model(token_inputs[0], token_inputs[1], kv_caches, meta)
         logits = self.model.compute_logits(hidden)
-        prompt_logprobs(logits, input_ids, MAX_LOGPROBS)
+        prompt_logprobs(logits, token_inputs[0], MAX_LOGPROBS)
         del logits
         params = SamplingParams(
             temperature=1.0,
@@ -182,9 +246,14 @@ class ModelRunner:
         )
         # Short token histories: their [rows, history] tensors are small beside the
         # [rows, vocab] ones.
-        rows = [SampleRow(0, params, 0, [1] * 16, [2] * 16, [3]) for _ in range(num_seqs)]
-        picked = self._upload([i % num_tokens for i in range(num_seqs)], torch.long)
-        self._sample(self.model.compute_logits(hidden[picked]), rows)
+        rows = [SampleRow(0, params, 0, 16, [1] * 16, [2] * 16, [3]) for _ in range(num_seqs)]
+        tensors = self._sampling_tensors(rows)
+        picked, *sampling = upload(
+            [np.arange(num_seqs, dtype=np.int64) % num_tokens, *_tensor_arrays(tensors)],
+            self.device,
+        )
+        logits = self.model.compute_logits(hidden[picked])
+        self.sampler(logits, _with_tensors(tensors, sampling))
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode graphs (CUDA, flashinfer); call after allocate_kv_cache()."""
@@ -204,8 +273,7 @@ class ModelRunner:
         """Copy whole KV blocks (src -> dst) in every layer: copy-on-write for forked candidates."""
         if not pairs:
             return
-        src = self._upload([p[0] for p in pairs], torch.long)
-        dst = self._upload([p[1] for p in pairs], torch.long)
+        src, dst = upload(np.array(pairs, dtype=np.int64).T.copy(), self.device)
         for cache in self.kv_caches:
             cache[dst] = cache[src]
 
@@ -215,55 +283,93 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         sample_rows: list[SampleRow],
         prompt_logprob_chunks: dict[int, int],  # chunk index -> number of top alternatives
-    ) -> StepResult:
-        step = self._flatten(chunks)
-        if self._replayable(step):
-            hidden = self.graphs.run(step.as_decode())
-        else:
-            input_ids, positions, meta = self._to_device(step)
-            self.attn.plan(meta)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-
+        pending: PendingTokens | None = None,
+    ) -> LaunchedStep:
+        """Queue a step's work on the device; collect() waits for it and reads it back."""
+        step = self._flatten(chunks, pending.rows if pending is not None else {})
         # Only rows whose logits are used go through the LM head.
         row_starts = step.query_starts
-        sample_positions = [row_starts[r.chunk_index + 1] - 1 for r in sample_rows]
+        logit_rows = [row_starts[r.chunk_index + 1] - 1 for r in sample_rows]
         prompt_spans = {
             i: self._prompt_prediction_span(chunks[i], row_starts[i]) for i in prompt_logprob_chunks
         }
-        rows = list(sample_positions)
         for first, count in prompt_spans.values():
-            rows.extend(range(first, first + count))
-        if not rows:  # every chunk is a middle piece of a prefill: nothing to read out
-            return StepResult([], {})
-        logits = self.model.compute_logits(hidden[self._upload(rows, torch.long)])
+            logit_rows.extend(range(first, first + count))
+        decode = None
+        if self._replayable(step):
+            decode = step.as_decode().padded(self.graphs.batch_size_for(len(step.query_lens)))
+        tensors = self._sampling_tensors(sample_rows)
 
-        sampled = self._sample(logits[: len(sample_rows)], sample_rows)
-        result_prompt: dict[int, list[TokenLogprob]] = {}
-        offset = len(sample_rows)
+        # Everything the step reads from the host, in one copy.
+        token_inputs, query_starts, seq_lens, pending_at, pending_from, rows, *sampling = upload(
+            [
+                *self._step_arrays(step, decode),
+                np.array(step.pending_at, dtype=np.int64),
+                np.array(step.pending_from, dtype=np.int64),
+                np.array(logit_rows, dtype=np.int64),
+                *_tensor_arrays(tensors),
+            ],
+            self.device,
+        )
+        if step.pending_at:
+            token_inputs[0].index_copy_(0, pending_at, pending.token_ids[pending_from])
+        if decode is not None:
+            hidden = self.graphs.run(token_inputs, decode.seq_lens, decode.block_tables)
+        else:
+            meta = self._eager_metadata(step, token_inputs[2], query_starts, seq_lens)
+            self.attn.plan(meta)
+            hidden = self.model(token_inputs[0], token_inputs[1], self.kv_caches, meta)
+
+        if not logit_rows:  # every chunk is a middle piece of a prefill: nothing to read out
+            return self._nothing_sampled()
+        logits = self.model.compute_logits(hidden[rows])
+        num_samples = len(sample_rows)
+        launched = self._sample(logits[:num_samples], sample_rows, _with_tensors(tensors, sampling))
+        offset = num_samples
         for i, k in prompt_logprob_chunks.items():
             first, count = prompt_spans[i]
             chunk = chunks[i]
             targets = chunk.seq.token_ids[chunk.start + 1 : chunk.start + 1 + count]
-            result_prompt[i] = _to_token_logprobs(
-                *prompt_logprobs(
-                    logits[offset : offset + count], self._upload(targets, torch.long), k
-                ),
-                targets,
+            (targets_on_device,) = upload([np.array(targets, dtype=np.int64)], self.device)
+            launched.prompt_logprobs[i] = _to_token_logprobs(
+                *prompt_logprobs(logits[offset : offset + count], targets_on_device, k), targets
             )
             offset += count
-        return StepResult(sampled, result_prompt)
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step and read its results back."""
+        if launched.copied is not None:
+            launched.copied.synchronize()  # the one host sync of a step
+        token_ids, *logprob_outputs = (t.tolist() for t in launched.host_outputs)
+        chosen, top_ids, top_lps = logprob_outputs or (None, None, None)
+        sampled = []
+        for i, row in enumerate(launched.rows):
+            k = row.params.logprobs
+            logprob = None
+            if k is not None:
+                top = list(zip(top_ids[i][:k], top_lps[i][:k]))
+                logprob = TokenLogprob(token_ids[i], chosen[i], top)
+            sampled.append(SampledToken(token_ids[i], logprob))
+        return StepResult(sampled, launched.prompt_logprobs)
 
     def _prompt_prediction_span(self, chunk: ScheduledChunk, row_start: int) -> tuple[int, int]:
         """Rows of a chunk whose logits predict the next *prompt* token (not the first output)."""
         last_predicting = min(chunk.end, chunk.seq.num_prompt_tokens - 1)
         return row_start, max(0, last_predicting - chunk.start)
 
-    def _flatten(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def _flatten(self, chunks: list[ScheduledChunk], pending_rows: dict[int, int]) -> StepInputs:
         bs = self.block_size
-        step = StepInputs([], [], [], [], [], [])
-        for c in chunks:
+        step = StepInputs([], [], [], [], [], [], [], [])
+        for i, c in enumerate(chunks):
             blocks = c.seq.block_table.block_ids
-            step.input_ids.extend(c.seq.token_ids[c.start : c.end])
+            known = c.seq.token_ids[c.start : c.end]
+            if len(known) < c.num_tokens:  # the last one is still in flight
+                assert len(known) == c.num_tokens - 1, "only a sequence's last token is pending"
+                step.pending_at.append(len(step.input_ids) + len(known))
+                step.pending_from.append(pending_rows[i])
+                known.append(0)
+            step.input_ids.extend(known)
             step.positions.extend(range(c.start, c.end))
             step.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(c.start, c.end))
             step.query_lens.append(c.num_tokens)
@@ -279,74 +385,97 @@ class ModelRunner:
             and len(step.input_ids) == len(step.query_lens)  # every sequence adds one token
         )
 
-    def _to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    @staticmethod
+    def _step_arrays(step: StepInputs, decode: DecodeInputs | None) -> list[np.ndarray]:
+        """[3, T] token ids, positions and slots (a CUDA graph's padded batch when decode is
+        given), query start offsets and sequence lengths, as host arrays."""
+        tokens = decode if decode is not None else step
+        return [
+            np.array([tokens.input_ids, tokens.positions, tokens.slot_mapping], dtype=np.int64),
+            np.array(step.query_starts, dtype=np.int32),
+            np.array(step.seq_lens, dtype=np.int32),
+        ]
+
+    def _eager_metadata(
+        self,
+        step: StepInputs,
+        slot_mapping: torch.Tensor,
+        query_starts: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> AttentionMetadata:
         # The padded [B, max_blocks] table only the torch backend reads (the CPU path).
         block_tables = None
         if self.device.type == "cpu":
             width = max(len(t) for t in step.block_tables)
             padded = [t + [0] * (width - len(t)) for t in step.block_tables]
             block_tables = torch.tensor(padded, dtype=torch.int32)
-        meta = AttentionMetadata(
-            query_start_loc=self._upload(step.query_starts, torch.int32),
-            seq_lens=self._upload(step.seq_lens, torch.int32),
+        return AttentionMetadata(
+            query_start_loc=query_starts,
+            seq_lens=seq_lens,
             block_tables=block_tables,
-            slot_mapping=self._upload(step.slot_mapping, torch.int64),
+            slot_mapping=slot_mapping,
             query_lens_cpu=step.query_lens,
             seq_lens_cpu=step.seq_lens,
             block_size=self.block_size,
             block_tables_cpu=step.block_tables,
         )
-        return (
-            self._upload(step.input_ids, torch.int64),
-            self._upload(step.positions, torch.int64),
-            meta,
-        )
 
-    def _upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor, without a host sync: on CUDA it is staged in
-        pinned memory and copied asynchronously (a plain torch.tensor(..., device="cuda")
-        waits for every kernel queued before it)."""
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        host = torch.tensor(values, dtype=dtype, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
-
-    def _upload_sampling(self, tensors: SamplingTensors) -> SamplingTensors:
-        """SamplingTensors built on the host, moved to the device as _upload does."""
-        moved = {}
-        for f in dataclasses.fields(tensors):
-            value = getattr(tensors, f.name)
-            if isinstance(value, torch.Tensor):
-                moved[f.name] = value.pin_memory().to(self.device, non_blocking=True)
-        return dataclasses.replace(tensors, **moved)
-
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-        if not rows:
-            return []
-        on_cpu = self.device.type == "cpu"
-        tensors = SamplingTensors.from_rows(
+    def _sampling_tensors(self, rows: list[SampleRow]) -> SamplingTensors:
+        """The rows' sampling parameters as host tensors."""
+        return SamplingTensors.from_rows(
             params=[r.params for r in rows],
             seeds=[r.seed for r in rows],
+            counters=[r.num_sampled for r in rows],
             prompt_ids=[r.prompt_ids for r in rows],
             output_ids=[r.output_ids for r in rows],
             banned_ids=[r.banned_ids for r in rows],
-            vocab_size=logits.shape[-1],
-            device=self.device if on_cpu else "cpu",
+            vocab_size=self.config.vocab_size,
+            device="cpu",
         )
-        out = self.sampler(logits, tensors if on_cpu else self._upload_sampling(tensors))
-        token_ids = out.token_ids.tolist()  # the one host sync of a step
-        chosen = out.logprobs.tolist()
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        sampled = []
-        for i, row in enumerate(rows):
-            k = row.params.logprobs
-            logprob = None
-            if k is not None:
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None else []
-                logprob = TokenLogprob(token_ids[i], chosen[i], top)
-            sampled.append(SampledToken(token_ids[i], logprob))
-        return sampled
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], tensors: SamplingTensors
+    ) -> LaunchedStep:
+        """Queue the sampling and the copies of its results to the host."""
+        if not rows:
+            return self._nothing_sampled()
+        out = self.sampler(logits, tensors)
+        outputs = [out.token_ids]
+        if any(r.params.logprobs is not None for r in rows):
+            top_ids, top_lps = out.top_token_ids, out.top_logprobs
+            if top_ids is None:  # no row asked for alternatives: empty [R, 0] tables
+                top_ids = out.token_ids.new_empty((len(rows), 0))
+                top_lps = out.logprobs.new_empty((len(rows), 0))
+            outputs += [out.logprobs, top_ids, top_lps]
+        if self.device.type == "cpu":
+            return LaunchedStep(rows, out.token_ids, outputs, None, {})
+        host_outputs = [t.to("cpu", non_blocking=True) for t in outputs]  # lands in pinned memory
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(rows, out.token_ids, host_outputs, copied, {})
+
+    def _nothing_sampled(self) -> LaunchedStep:
+        no_ids = torch.empty(0, dtype=torch.int64, device=self.device)
+        return LaunchedStep([], no_ids, [torch.empty(0, dtype=torch.int64)], None, {})
+
+
+def _tensor_arrays(tensors: SamplingTensors) -> list[np.ndarray]:
+    """The tensor fields of host SamplingTensors as arrays, in field order (for upload())."""
+    return [
+        value.numpy()
+        for f in dataclasses.fields(tensors)
+        if isinstance(value := getattr(tensors, f.name), torch.Tensor)
+    ]
+
+
+def _with_tensors(tensors: SamplingTensors, moved: list[torch.Tensor]) -> SamplingTensors:
+    """`tensors` with its tensor fields replaced by `moved`, in _tensor_arrays order."""
+    names = [
+        f.name
+        for f in dataclasses.fields(tensors)
+        if isinstance(getattr(tensors, f.name), torch.Tensor)
+    ]
+    return dataclasses.replace(tensors, **dict(zip(names, moved, strict=True)))
 
 
 def _to_token_logprobs(

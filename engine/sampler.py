@@ -4,9 +4,12 @@ Per row, in order: repetition / presence / frequency penalties -> min_tokens ban
 -> temperature -> top-k -> top-p -> min-p (one descending sort shared by the three)
 -> sample. Greedy rows take the argmax of the penalised, banned logits and skip the rest.
 
-Everything is vectorized torch on whatever device the logits live on, with no host<->device
+Everything is vectorized on whatever device the logits live on, with no host<->device
 sync: the decisions that depend on the batch's parameters (skip penalties, skip filters,
-all greedy) are made on the host from the SamplingParams when the tensors are built.
+all greedy, skip logprobs) are made on the host from the SamplingParams when the tensors
+are built. The logits come in the model's dtype; each stage that needs float32 makes it.
+In the common case (no penalty, ban or filter) a CUDA step is one Triton pass over the
+logits: temperature, noise, race and the greedy rows' argmax together.
 
 Randomness is counter-based, not a torch.Generator: row r's uniform for token v is a
 32-bit integer hash of (seed_r, counter_r, v), where counter_r is how many tokens the row
@@ -31,6 +34,7 @@ _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio: the Weyl step between vocab entries
 _SEED_SALT = 0x5BD1E995  # keeps seed 0 away from the hash's fixed point at 0
 _UNIFORM_BITS = 23  # (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1)
+_PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 x vocab
 
 
 @dataclass
@@ -53,6 +57,7 @@ class SamplingTensors:
     output_token_ids: torch.Tensor | None  # int64 [B, O]: output, for presence / frequency
     banned_token_ids: torch.Tensor | None  # int64 [B, N]: ids a row may not pick this step
     vocab_size: int
+    needs_logprobs: bool  # some row asks for logprobs (its chosen token's, at least)
     max_num_logprobs: int  # K of the top-logprob tensors; 0 = none requested
     all_greedy: bool
     needs_filters: bool  # some sampled row uses top-k, top-p or min-p
@@ -67,9 +72,12 @@ class SamplingTensors:
         banned_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
+        counters: Sequence[int] | None = None,
     ) -> SamplingTensors:
-        """Build from per-row host data. banned_ids: per row, the ids it may not pick now
-        (EOS and stop_token_ids while it has fewer than min_tokens outputs; else empty)."""
+        """Build from per-row host data. counters: per row, the output tokens it has sampled
+        before this one (default: len(output_ids), when the host has them all). banned_ids:
+        per row, the ids it may not pick now (EOS and stop_token_ids while it has fewer than
+        min_tokens outputs; else empty)."""
         assert len(params) == len(seeds) == len(prompt_ids) == len(output_ids) == len(banned_ids)
 
         def floats(values: list[float]) -> torch.Tensor:
@@ -80,10 +88,16 @@ class SamplingTensors:
 
         uses_repetition = [p.repetition_penalty != 1.0 for p in params]
         uses_counts = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # Greedy rows ignore the filters: theirs are off, so a filtered batch leaves their
+        # logits as they are and their argmax is the plain one.
+        sampled = [p for p in params if not p.greedy]
+        top_k = [
+            vocab_size if p.greedy or not 0 < p.top_k < vocab_size else p.top_k for p in params
+        ]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
         needs_filters = any(
-            not p.greedy and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
-            for p, k in zip(params, top_k, strict=True)
+            (0 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled
         )
         # Only rows that use a penalty ship their token history to the device.
         seen = [
@@ -98,21 +112,22 @@ class SamplingTensors:
             temperature=floats([1.0 if p.greedy else p.temperature for p in params]),
             is_greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
             top_k=ints(top_k),
-            top_p=floats([p.top_p for p in params]),
-            min_p=floats([p.min_p for p in params]),
+            top_p=floats(top_p),
+            min_p=floats(min_p),
             repetition_penalty=floats([p.repetition_penalty for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
             seeds=ints(list(seeds)),
-            counters=ints([len(output) for output in output_ids]),
+            counters=ints([len(o) for o in output_ids] if counters is None else list(counters)),
             seen_token_ids=_padded_ids(seen, vocab_size, device) if any(uses_repetition) else None,
             output_token_ids=_padded_ids(counted, vocab_size, device) if any(uses_counts) else None,
             banned_token_ids=(
                 _padded_ids(banned_ids, vocab_size, device) if any(banned_ids) else None
             ),
             vocab_size=vocab_size,
+            needs_logprobs=any(p.logprobs is not None for p in params),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=not sampled,
             needs_filters=needs_filters,
         )
 
@@ -120,7 +135,8 @@ class SamplingTensors:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B]: logprob of the chosen token
+    # float32 [B]: logprob of the chosen token; None when no row asked for logprobs.
+    logprobs: torch.Tensor | None
     # K = the batch's largest logprobs request; a row asking for k <= K reads its first k.
     top_token_ids: torch.Tensor | None  # int64 [B, K], most likely first
     top_logprobs: torch.Tensor | None  # float32 [B, K]
@@ -128,25 +144,24 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """logits [B, vocab] in any float dtype (the model's); they are not modified."""
         assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, logits.shape
-        raw_logits = logits.float()
-        logits = _apply_penalties(raw_logits, t)
-        if t.banned_token_ids is not None:
-            banned = _row_mask(t.banned_token_ids, t.vocab_size)
-            logits = logits.masked_fill(banned, float("-inf"))
-
+        adjusted = _penalise_and_ban(logits, t)
         if t.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = adjusted.argmax(dim=-1)
+        elif t.needs_filters:
+            scaled = adjusted.float() / t.temperature[:, None]
+            scaled = _apply_top_k_top_p_min_p(scaled, t.top_k, t.top_p, t.min_p)
+            token_ids = exponential_race(scaled, None, t.is_greedy, t.seeds, t.counters)
         else:
-            scaled = logits / t.temperature[:, None]
-            if t.needs_filters:
-                scaled = _apply_top_k_top_p_min_p(scaled, t.top_k, t.top_p, t.min_p)
-            sampled = exponential_race(scaled, t.seeds, t.counters)
-            token_ids = torch.where(t.is_greedy, logits.argmax(dim=-1), sampled)
+            token_ids = exponential_race(adjusted, t.temperature, t.is_greedy, t.seeds, t.counters)
+        if not t.needs_logprobs:
+            return SamplerOutput(token_ids, None, None, None)
 
         # Logprobs describe the model's own distribution (log_softmax of the raw logits),
         # not the penalised / filtered / tempered one we sampled from: that is what the
         # OpenAI API reports, and it stays comparable across sampling settings.
+        raw_logits = logits.float()
         log_normalizer = raw_logits.logsumexp(dim=-1)
         chosen = raw_logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer
         top_ids = top_lps = None
@@ -159,9 +174,28 @@ class Sampler:
 def prompt_logprobs(
     logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs of a prompt: row i of logits predicts next_token_ids[i].
+    """Logprobs of a prompt: row i of logits (any float dtype) predicts next_token_ids[i].
 
-    Returns (logprob of next_token_ids [L], top-k ids [L, k], their logprobs [L, k])."""
+    Returns (logprob of next_token_ids [L], top-k ids [L, k], their logprobs [L, k]).
+    Rows go through float32 _PROMPT_ROWS_PER_PASS at a time: a long prefill's logits stay
+    in the model's dtype, and its float32 copies small beside them (the step's memory peak)."""
+    parts = [
+        _prompt_logprobs(rows, ids, k)
+        for rows, ids in zip(
+            logits.split(_PROMPT_ROWS_PER_PASS),
+            next_token_ids.split(_PROMPT_ROWS_PER_PASS),
+            strict=True,
+        )
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    chosen, top_ids, top_lps = (torch.cat(column) for column in zip(*parts, strict=True))
+    return chosen, top_ids, top_lps
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, next_token_ids[:, None].long()).squeeze(1)
     top_lps, top_ids = logprobs.topk(k, dim=-1)
@@ -169,17 +203,38 @@ def prompt_logprobs(
 
 
 def exponential_race(
-    scaled: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    is_greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
 ) -> torch.Tensor:
-    """argmax_v(softmax(scaled)_v / E_v) per row, E from exponential_noise: a draw from
-    softmax(scaled). On CUDA one Triton pass over the logits does it (the noise never
-    exists in memory, and the race runs in log space: argmax(scaled_v - log E_v))."""
-    if use_triton(scaled):
+    """Per row of logits [B, V] (any float dtype): the argmax on greedy rows; on the others
+    argmax_v(softmax(scaled)_v / E_v), scaled = logits / temperature (temperature None: the
+    logits are already scaled) and E from exponential_noise: a draw from softmax(scaled).
+
+    On CUDA one Triton pass over the logits does it all (the noise never exists in memory,
+    and the race runs in log space: argmax(scaled_v - log E_v)); the same tokens either way.
+    """
+    if use_triton(logits):
         from engine.kernels import triton_kernels
 
-        return triton_kernels.exponential_race(scaled, row_keys(seeds, counters))
-    noise = exponential_noise(seeds, counters, scaled.shape[-1])
-    return (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+        return triton_kernels.exponential_race(logits, temperature, is_greedy, seeds, counters)
+    return exponential_race_torch(logits, temperature, is_greedy, seeds, counters)
+
+
+def exponential_race_torch(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    is_greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    logits = logits.float()
+    scaled = logits if temperature is None else logits / temperature[:, None]
+    noise = exponential_noise(seeds, counters, logits.shape[-1])
+    sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
 def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -232,6 +287,17 @@ def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _row_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return _scatter_count(ids, vocab_size) > 0
+
+
+def _penalise_and_ban(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits as they are when no row has a penalty or a ban; else a float32 copy with
+    the penalties applied and the banned ids at -inf."""
+    if t.seen_token_ids is None and t.output_token_ids is None and t.banned_token_ids is None:
+        return logits
+    logits = _apply_penalties(logits.float(), t)
+    if t.banned_token_ids is not None:
+        logits = logits.masked_fill(_row_mask(t.banned_token_ids, t.vocab_size), float("-inf"))
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -38,7 +38,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so a token gets sampled."""
-        return self.end == len(self.seq.token_ids)
+        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -90,8 +90,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        # A sequence whose last token is still in flight may already have all it will get.
+        running = [s for s in self.running if not s.has_all_tokens]
+        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if budget == 0:
                 break

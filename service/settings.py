@@ -136,6 +136,11 @@ SETTINGS: tuple[Setting, ...] = (
         "engine", "engine_seed", "seeds the draws of requests that bring no seed", field="seed"
     ),
     _setting("engine", "enforce_eager", "CUDA: run every step eagerly, no CUDA graphs"),
+    _setting(
+        "engine",
+        "async_scheduling",
+        "queue the next step before reading this one's tokens back; unset: on for CUDA only",
+    ),
     _setting("engine", "block_size", "tokens per KV block (a power of two up to 128)"),
     _setting("engine", "num_blocks", "KV blocks; unset: sized from memory"),
     _setting("engine", "kv_cache_memory_gib", "KV pool size on the CPU when num_blocks is unset"),

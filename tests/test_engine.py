@@ -1,4 +1,8 @@
-"""The engine end to end on tiny random-weight models: scheduling, caching, sampling, endings."""
+"""The engine end to end on tiny random-weight models: scheduling, caching, sampling, endings.
+
+Every test runs twice: with each step run start to end, and with async scheduling (the
+next step queued before the last one's tokens are read back), which must not change a
+single output."""
 
 from __future__ import annotations
 
@@ -21,9 +25,14 @@ def tiny_llama(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def async_scheduling(request) -> bool:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(tiny_llama):
-    return LLM(str(tiny_llama), num_blocks=256, block_size=4)
+def llm(tiny_llama, async_scheduling):
+    return LLM(str(tiny_llama), num_blocks=256, block_size=4, async_scheduling=async_scheduling)
 
 
 def random_prompts(count: int, vocab: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
@@ -54,8 +63,8 @@ def test_greedy_matches_transformers(tiny_llama, llm):
     assert_pool_empty(llm)
 
 
-def test_batch_invariance_with_chunking_prefix_caching_and_preemption(tiny_llama):
-    solo = LLM(str(tiny_llama), num_blocks=512, block_size=4)
+def test_batch_invariance_with_chunking_prefix_caching_and_preemption(tiny_llama, async_scheduling):
+    solo = LLM(str(tiny_llama), num_blocks=512, block_size=4, async_scheduling=False)
     vocab = solo.engine.model_config.vocab_size
     shared = random_prompts(1, vocab, seed=5, lo=20, hi=20)[0]
     prompts = random_prompts(16, vocab, seed=2, lo=3, hi=60)
@@ -65,7 +74,13 @@ def test_batch_invariance_with_chunking_prefix_caching_and_preemption(tiny_llama
 
     # A pool of 48 blocks of 4 tokens cannot hold 16 sequences of up to ~130 tokens at once,
     # and a budget of 24 tokens chunks every long prompt.
-    pressured = LLM(str(tiny_llama), num_blocks=48, block_size=4, max_num_batched_tokens=24)
+    pressured = LLM(
+        str(tiny_llama),
+        num_blocks=48,
+        block_size=4,
+        max_num_batched_tokens=24,
+        async_scheduling=async_scheduling,
+    )
     got = [o.outputs[0].token_ids for o in pressured.generate(prompts, params)]
     assert got == expected
     engine = pressured.engine
@@ -229,6 +244,7 @@ def test_engine_fault_fails_only_that_step(llm, monkeypatch):
     ],
 )
 def test_invalid_requests_fail_alone(llm, kwargs, field):
+    kwargs = dict(kwargs)  # the parameter dict is shared by both modes' runs
     ids = kwargs.pop("prompt_token_ids")
     with pytest.raises(ValidationError) as err:
         llm.generate([ids], SamplingParams(**kwargs))
@@ -236,8 +252,9 @@ def test_invalid_requests_fail_alone(llm, kwargs, field):
     assert_pool_empty(llm)
 
 
-def test_request_larger_than_pool_is_rejected_with_pool_named(tiny_llama):
-    small = LLM(str(tiny_llama), num_blocks=8, block_size=4)  # 32 tokens in the whole pool
+def test_request_larger_than_pool_is_rejected_with_pool_named(tiny_llama, async_scheduling):
+    # 32 tokens in the whole pool
+    small = LLM(str(tiny_llama), num_blocks=8, block_size=4, async_scheduling=async_scheduling)
     with pytest.raises(ValidationError, match="KV pool 32"):
         small.generate([[1] * 20], SamplingParams(max_tokens=20))
     out = small.generate([[1] * 20], SamplingParams(max_tokens=10, **GREEDY))[0].outputs[0]
@@ -253,8 +270,14 @@ def test_duplicate_live_request_id(llm):
     assert_pool_empty(llm)
 
 
-def test_bfloat16_on_cpu_tracks_float32(tiny_llama, llm):
-    bf16 = LLM(str(tiny_llama), num_blocks=64, block_size=4, dtype="bfloat16")
+def test_bfloat16_on_cpu_tracks_float32(tiny_llama, llm, async_scheduling):
+    bf16 = LLM(
+        str(tiny_llama),
+        num_blocks=64,
+        block_size=4,
+        dtype="bfloat16",
+        async_scheduling=async_scheduling,
+    )
     assert bf16.engine.runner.kv_caches[0].dtype == torch.bfloat16
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompts(1, vocab, seed=16, lo=24, hi=24)[0]
@@ -268,7 +291,7 @@ def test_bfloat16_on_cpu_tracks_float32(tiny_llama, llm):
     assert_pool_empty(bf16)
 
 
-def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama, llm):
+def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama, llm, async_scheduling):
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompts(1, vocab, seed=17, lo=30, hi=30)[0]
     params = SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY)
@@ -276,7 +299,13 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama, llm):
 
     # 10 blocks of 4 tokens: the high-priority request grows towards 10 blocks while the
     # prompt-logprobs one (8 blocks, prefilled 3 tokens a step) must give way mid-prefill.
-    small = LLM(str(tiny_llama), num_blocks=10, block_size=4, max_num_batched_tokens=4)
+    small = LLM(
+        str(tiny_llama),
+        num_blocks=10,
+        block_size=4,
+        max_num_batched_tokens=4,
+        async_scheduling=async_scheduling,
+    )
     engine = small.engine
     engine.add_request("hi", prompt[:8], SamplingParams(max_tokens=30, **GREEDY), priority=1)
     engine.step()
@@ -291,3 +320,44 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama, llm):
         (p.token_id, round(p.logprob, 4)) for p in expected[1:]
     ]
     assert_pool_empty(small)
+
+
+def test_async_scheduling_changes_no_output(tiny_llama, monkeypatch):
+    """Every sampling feature at once, under block pressure: the same outputs either way,
+    and the async engine really computes tokens the host has not read back yet."""
+    sync = LLM(str(tiny_llama), num_blocks=40, block_size=4, async_scheduling=False)
+    overlapped = LLM(str(tiny_llama), num_blocks=40, block_size=4, async_scheduling=True)
+    vocab = sync.engine.model_config.vocab_size
+    prompts = random_prompts(12, vocab, seed=21, lo=5, hi=30)
+    sampled = dict(temperature=0.9, top_k=20, ignore_eos=True)
+    params = [SamplingParams(max_tokens=20, seed=i, **sampled) for i in range(4)] + [
+        SamplingParams(max_tokens=16, n=3, seed=5, **sampled),
+        SamplingParams(max_tokens=16, seed=6, repetition_penalty=1.3, **sampled),
+        SamplingParams(
+            max_tokens=16, seed=7, frequency_penalty=0.8, presence_penalty=0.4, **sampled
+        ),
+        SamplingParams(max_tokens=16, logprobs=3, prompt_logprobs=2, **GREEDY),
+        SamplingParams(max_tokens=24, min_tokens=6, seed=8, temperature=1.0),
+        SamplingParams(max_tokens=24, stop=["a", "e"], seed=9, temperature=1.0),
+        SamplingParams(max_tokens=12, **GREEDY),
+        SamplingParams(max_tokens=30, seed=11, temperature=0.5),
+    ]
+    pending_rows = []
+    execute = overlapped.engine.runner.execute
+
+    def spy(chunks, rows, prompt_lp, pending=None):
+        pending_rows.append(len(pending.rows) if pending is not None else 0)
+        return execute(chunks, rows, prompt_lp, pending)
+
+    monkeypatch.setattr(overlapped.engine.runner, "execute", spy)
+    expected = sync.generate(prompts, params)
+    got = overlapped.generate(prompts, params)
+    assert sum(pending_rows) > len(pending_rows)  # most steps read pending tokens on device
+    assert overlapped.engine.scheduler.num_preemptions > 0
+    for want, have in zip(expected, got, strict=True):
+        assert have.prompt_logprobs == want.prompt_logprobs
+        for a, b in zip(want.outputs, have.outputs, strict=True):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+            assert b.logprobs == a.logprobs
+        assert have.usage == want.usage
+    assert_pool_empty(overlapped)

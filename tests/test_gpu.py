@@ -21,11 +21,15 @@ from safetensors.torch import load_file, save_file
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
+from engine.kernels import rotary_qk
+from engine.kernels.rotary import rotary_qk_torch
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner import kv_bytes_per_block
+from engine.sampler import Sampler, SamplingTensors
 from engine.sampling_params import SamplingParams
+from tests.test_kernels import ROTARY_SHAPES, norm_weight, qk_inputs, rotary_tolerance
 from tests.tiny_models import write_tiny_model
 
 pytestmark = [
@@ -249,17 +253,44 @@ def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch):
     llm = gpu_llm(model_dir, max_num_seqs=16)
     graphs = llm.engine.runner.graphs
     assert graphs.batch_sizes == [1, 2, 4, 8, 16]
-    replayed: list[int] = []
-    run = graphs.run
-    monkeypatch.setattr(
-        graphs, "run", lambda step: replayed.append(len(step.input_ids)) or run(step)
-    )
+    replayed: list[int] = []  # the decode batch sizes, before padding to a bucket
+    batch_size_for = graphs.batch_size_for
+    monkeypatch.setattr(graphs, "batch_size_for", lambda n: replayed.append(n) or batch_size_for(n))
     got = llm.generate(prompts, params)
     assert_greedy_close(got, want)
     assert {1, 2, 4, 8} <= set(replayed)  # batches that fill their bucket
     assert {3, 5, 13} & set(replayed)  # and padded ones
     # Single requests replay the one-sequence graph and agree too.
     assert_greedy_close(llm.generate(prompts[:2], params[:2]), want[:2])
+
+
+def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
+    # Lengths end every request by max_tokens, so both engines run the same batches step
+    # for step and even sampled tokens must agree exactly.
+    prompts = random_prompts(12, seed=12, lo=5, hi=90)
+    params = [
+        SamplingParams(max_tokens=8 + 2 * i, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+        if i % 2
+        else greedy(8 + 2 * i)
+        for i in range(12)
+    ]
+    sync = gpu_llm(model_dir, async_scheduling=False)
+    want = sync.generate(prompts, params)
+    del sync
+
+    llm = gpu_llm(model_dir)
+    assert llm.engine.config.overlaps_steps  # the default on CUDA
+    pending_rows: list[int] = []
+    execute = llm.engine.runner.execute
+
+    def spy(chunks, rows, prompt_lp, pending=None):
+        pending_rows.append(len(pending.rows) if pending is not None else 0)
+        return execute(chunks, rows, prompt_lp, pending)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", spy)
+    got = llm.generate(prompts, params)
+    assert sum(pending_rows) > len(pending_rows)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -331,3 +362,56 @@ def test_n_candidates_fork_on_the_gpu(model_dir):
     )
     assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+# ---- the fused decode-step ops: their CUDA Triton paths against the torch references ------
+
+
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("heads", ROTARY_SHAPES)
+def test_rotary_qk_on_cuda_equals_the_torch_path(heads, normed):
+    dtype = torch.bfloat16
+    for tokens in (1, 7, 300):
+        q, k, cos, sin = qk_inputs(tokens, heads, dtype, "cuda")  # views into a qkv output
+        weights = [norm_weight(heads[2], dtype, "cuda") for _ in range(2)] if normed else []
+        got = rotary_qk(q, k, cos, sin, *(weights or [None, None]), 1e-6)
+        want = rotary_qk_torch(q, k, cos, sin, *(weights or [None, None]), 1e-6)
+        for got_x, want_x in zip(got, want, strict=True):
+            assert got_x.dtype == dtype and got_x.is_contiguous()
+            torch.testing.assert_close(got_x, want_x, **rotary_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampler_fast_path_on_cuda_is_one_kernel_drawing_the_cpu_tokens(dtype):
+    """No penalty, ban, filter or logprobs: greedy and tempered rows in one Triton launch,
+    no host sync, the same tokens as the CPU's torch path."""
+    generator = torch.Generator().manual_seed(10)
+    rows, vocab = 256, 151936
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
+    logits[1, [5, 900]] = logits[1].max() + 1  # a greedy tie: the first index wins
+    params = [SamplingParams(temperature=[0.0, 0.6, 1.0, 1.3][i % 4]) for i in range(rows)]
+    columns = dict(
+        params=params,
+        seeds=torch.randint(2**40, (rows,), generator=generator).tolist(),
+        prompt_ids=[[]] * rows,
+        output_ids=[[2] * (i % 7) for i in range(rows)],
+        banned_ids=[[]] * rows,
+        vocab_size=vocab,
+    )
+    want = Sampler()(logits, SamplingTensors.from_rows(**columns, device="cpu"))
+    gpu_tensors = SamplingTensors.from_rows(**columns, device="cuda")
+    gpu_logits = logits.cuda()
+    Sampler()(gpu_logits, gpu_tensors)  # compile the kernel outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = Sampler()(gpu_logits, gpu_tensors)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "exponential_race" in kernels[0], kernels
+    assert got.logprobs is None and want.logprobs is None
+    assert torch.equal(got.token_ids.cpu(), want.token_ids)
+    assert got.token_ids[1] == 5

@@ -1,7 +1,7 @@
 """engine/kernels: the torch paths against references, the Triton kernels against the torch paths.
 
-The torch paths (the CPU path) must equal Hugging Face's RMSNorm exactly and a
-row-by-row KV store bit for bit. The Triton kernels run against the torch paths on CUDA
+The torch paths (the CPU path) must equal Hugging Face's RMSNorm and rotary embedding
+exactly and a row-by-row KV store bit for bit. The Triton kernels run against the torch paths on CUDA
 (marked gpu) and, where triton is installed, on the CPU under Triton's interpreter: that
 needs TRITON_INTERPRET=1 before triton is imported, so test_triton_kernels_in_the_interpreter
 reruns this file's "interpreter" cases in a subprocess.
@@ -16,13 +16,16 @@ import sys
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from engine.kernels import fused_add_rms_norm, rms_norm, silu_and_mul, store_kv
+from engine.kernels import fused_add_rms_norm, rms_norm, rotary_qk, silu_and_mul, store_kv
 from engine.kernels.activation import silu_and_mul_torch
 from engine.kernels.dispatch import triton_importable
 from engine.kernels.kv_cache import store_kv_torch
 from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from engine.kernels.rotary import rotary_qk_torch
+from engine.model.rope import RotaryEmbedding
+from engine.sampler import exponential_race_torch
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -91,6 +94,47 @@ def kv_inputs(
     return k, v, cache, slots
 
 
+# (q heads, kv heads, head dim): Qwen3-0.6B's GQA, and SmolLM2's head counts (no powers of two).
+ROTARY_SHAPES = [(16, 8, 128), (9, 3, 64)]
+
+
+def qk_inputs(
+    tokens: int, heads: tuple[int, int, int], dtype: torch.dtype, device: str, layout: str = "qkv"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, cos, sin as the model has them: q and k strided views into the merged qkv
+    projection's output ("transposed": the CPU linear's layout), cos / sin of random positions."""
+    num_heads, num_kv_heads, head_dim = heads
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if layout == "qkv":
+        qkv = 3 * torch.randn(tokens, width, dtype=dtype, device=device)
+    else:
+        qkv = 3 * torch.randn(width, tokens, dtype=dtype, device=device).T
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(tokens, num_kv_heads, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 1e6, None).to(device)
+    cos, sin = rope(torch.randint(4096, (tokens,), device=device))
+    return q, k, cos, sin
+
+
+def race_inputs(
+    rows: int, vocab: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits, temperature, is_greedy, seeds, counters of a batch mixing greedy (odd) and
+    sampled rows, with greedy ties (first index wins), coarse logits and a filtered row."""
+    logits = 3 * torch.randn(rows, vocab, device=device)
+    logits[0, 100:] = float("-inf")  # sampled, filtered: only the first 100 may win
+    logits[1, [7, vocab - 1]] = logits[1].max() + 1  # greedy, tied between 7 and the last
+    logits[2:4] = torch.randint(0, 3, (2, vocab), device=device).float()  # many ties at the top
+    logits[5] = 0.0  # greedy over a flat row: 0
+    is_greedy = torch.arange(rows, device=device) % 2 == 1
+    temperature = torch.tensor([0.3, 0.7, 1.0, 1.7], device=device).repeat(rows)[:rows]
+    temperature = temperature.masked_fill(is_greedy, 1.0)  # as SamplingTensors holds it
+    seeds = torch.randint(-(2**62), 2**62, (rows,), device=device)
+    counters = torch.randint(0, 1000, (rows,), device=device)
+    return logits.to(dtype), temperature, is_greedy, seeds, counters
+
+
 def tolerance(dtype: torch.dtype, target: str = "cuda") -> dict[str, float]:
     if dtype == torch.float32:
         return {"rtol": 1e-5, "atol": 1e-5}
@@ -101,6 +145,16 @@ def tolerance(dtype: torch.dtype, target: str = "cuda") -> dict[str, float]:
     # On the GPU, two roundings of bf16 (ulp 2^-7 relative) can land 2 ulps apart: torch's own
     # bf16 default, 1.6e-2.
     return {"rtol": 2e-2 if target == "interpreter" else 1.6e-2, "atol": 1e-3}
+
+
+def rotary_tolerance(dtype: torch.dtype, target: str = "cuda") -> dict[str, float]:
+    """The kernel rounds where the torch path does, but a normed input one ulp off (its
+    rsqrt, the interpreter's bf16 rounding) rotates into an output one ulp *of the input*
+    off, however small the output: an absolute tolerance at the normed inputs' size (< 8)."""
+    if dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    eps = torch.finfo(dtype).eps
+    return {"rtol": tolerance(dtype, target)["rtol"], "atol": 16 * eps}
 
 
 def store_kv_rows(
@@ -172,6 +226,25 @@ def test_store_kv_equals_row_by_row_and_skips_padding(
     assert (cache == 7.0).all(dim=(1, 3, 4)).sum() == cache.shape[0] * cache.shape[
         2
     ] - 6  # 6 rows written
+
+
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("heads", ROTARY_SHAPES)
+def test_rotary_qk_equals_hugging_face(heads: tuple[int, int, int], normed: bool) -> None:
+    """float32, where Hugging Face rotates in float32 too (in bf16 it rotates in bf16)."""
+    q, k, cos, sin = qk_inputs(9, heads, torch.float32, "cpu", layout="transposed")
+    q_before, k_before = q.clone(), k.clone()
+    q_hf, k_hf = LlamaRMSNorm(heads[2], eps=EPS), LlamaRMSNorm(heads[2], eps=EPS)
+    q_hf.weight.data = norm_weight(heads[2], torch.float32, "cpu")
+    k_hf.weight.data = norm_weight(heads[2], torch.float32, "cpu")
+    weights = (q_hf.weight.data, k_hf.weight.data) if normed else (None, None)
+
+    got_q, got_k = rotary_qk(q, k, cos, sin, *weights, EPS)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # not in place
+    if normed:
+        q, k = q_hf(q), k_hf(k)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos.repeat(1, 2), sin.repeat(1, 2))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
 # --- the Triton kernels against the torch paths ---------------------------------------
@@ -249,21 +322,47 @@ def test_triton_store_kv(target: str, dtype: torch.dtype, cache_dtype: torch.dty
 
 
 @pytest.mark.parametrize("target", TRITON_TARGETS)
-def test_triton_exponential_race_picks_what_the_torch_race_picks(target: str) -> None:
-    """Same noise bit for bit, raced in log space: the same winner as softmax(x) / E."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("heads", ROTARY_SHAPES)
+def test_triton_rotary_qk(
+    target: str, heads: tuple[int, int, int], normed: bool, dtype: torch.dtype
+) -> None:
     from engine.kernels import triton_kernels
-    from engine.sampler import exponential_noise, row_keys
 
     device = "cuda" if target == "cuda" else "cpu"
-    rows, vocab = (64, 151936) if target == "cuda" else (6, 3001)
-    scaled = torch.randn(rows, vocab, device=device) * 3
-    scaled[0, 100:] = float("-inf")  # a filtered row: only the first 100 may win
-    seeds = torch.randint(-(2**62), 2**62, (rows,), device=device)
-    counters = torch.randint(0, 1000, (rows,), device=device)
-    want = (scaled.softmax(-1) / exponential_noise(seeds, counters, vocab)).argmax(-1)
-    got = triton_kernels.exponential_race(scaled, row_keys(seeds, counters))
-    assert got.dtype == torch.int64 and got[0] < 100
-    assert torch.equal(got, want)
+    cases = [(tokens, "qkv") for tokens in TOKEN_COUNTS[target]] + [(5, "transposed")]
+    for tokens, layout in cases:
+        q, k, cos, sin = qk_inputs(tokens, heads, dtype, device, layout)
+        weights = [norm_weight(heads[2], dtype, device) for _ in range(2)] if normed else []
+        got = triton_kernels.rotary_qk(q, k, cos, sin, *(weights or [None, None]), EPS)
+        want = rotary_qk_torch(q, k, cos, sin, *(weights or [None, None]), EPS)
+        for got_x, want_x in zip(got, want, strict=True):
+            assert got_x.shape == want_x.shape and got_x.dtype == want_x.dtype == dtype
+            assert got_x.is_contiguous()
+            torch.testing.assert_close(got_x, want_x, **rotary_tolerance(dtype, target))
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_exponential_race_picks_what_the_torch_race_picks(
+    target: str, dtype: torch.dtype
+) -> None:
+    """Same noise bit for bit, raced in log space: the same winners as softmax(x) / E, and
+    greedy rows' argmax with torch's tie rule, from logits in their own dtype, tempered in
+    the kernel or already scaled (temperature None, the filtered path)."""
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    shapes = [(64, 151936), (256, 32000)] if target == "cuda" else [(8, 3001), (6, 100)]
+    for rows, vocab in shapes:
+        logits, temperature, is_greedy, seeds, counters = race_inputs(rows, vocab, dtype, device)
+        for scale in (temperature, None):
+            want = exponential_race_torch(logits, scale, is_greedy, seeds, counters)
+            got = triton_kernels.exponential_race(logits, scale, is_greedy, seeds, counters)
+            assert got.dtype == torch.int64 and torch.equal(got, want)
+            assert got[0] < 100 and got[1] == 7 and got[5] == 0
+            assert torch.equal(got[1::2], logits[1::2].argmax(dim=-1))
 
 
 @pytest.mark.gpu
@@ -272,15 +371,25 @@ def test_the_ops_capture_in_a_cuda_graph() -> None:
     """A decode step's worth of the ops, captured once and replayed on new inputs; padding
     rows (slot -1) write nothing. The torch store_kv syncs with the host and cannot be
     captured, so this also shows that CUDA tensors take the Triton path."""
+    from engine.sampler import exponential_race
+
     tokens, dtype = 8, torch.bfloat16
     x, residual = (norm_input("hidden", tokens, dtype, "cuda") for _ in range(2))
     weight = norm_weight(1024, dtype, "cuda")
     gate_up = gate_up_input(tokens, 3072, dtype, "cuda")
     k, v, cache, slots = kv_inputs(tokens, dtype, dtype, "cuda")
+    q_rope, k_rope, cos, sin = qk_inputs(tokens, ROTARY_SHAPES[0], dtype, "cuda")
+    head_weights = [norm_weight(ROTARY_SHAPES[0][2], dtype, "cuda") for _ in range(2)]
+    race = race_inputs(tokens, 151936, dtype, "cuda")
 
     def step() -> tuple[torch.Tensor, ...]:
         store_kv(k, v, cache, slots)
-        return (*fused_add_rms_norm(x, residual, weight, EPS), silu_and_mul(gate_up))
+        return (
+            *fused_add_rms_norm(x, residual, weight, EPS),
+            silu_and_mul(gate_up),
+            *rotary_qk(q_rope, k_rope, cos, sin, *head_weights, EPS),
+            exponential_race(*race),
+        )
 
     side = torch.cuda.Stream()  # warm up (compile) off the default stream, as torch advises
     side.wait_stream(torch.cuda.current_stream())
@@ -291,8 +400,9 @@ def test_the_ops_capture_in_a_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         outputs = step()
 
-    for tensor in (x, residual, gate_up, k, v):
+    for tensor in (x, residual, gate_up, k, v, q_rope, k_rope, race[0]):
         tensor.copy_(torch.randn_like(tensor))
+    race[3].copy_(torch.randint_like(race[3], 2**40))  # new seeds
     slots.copy_(torch.randperm(cache.shape[0] * cache.shape[2], device="cuda")[:tokens])
     slots[1::2] = -1
     cache.fill_(7.0)
@@ -302,11 +412,15 @@ def test_the_ops_capture_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
 
     assert torch.equal(cache, expected_cache)
-    out, new_residual, act = outputs
+    out, new_residual, act, q_out, k_out, token_ids = outputs
     expected, expected_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)
     assert torch.equal(new_residual, expected_residual)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
     torch.testing.assert_close(act, silu_and_mul_torch(gate_up), **tolerance(dtype))
+    expected_q, expected_k = rotary_qk_torch(q_rope, k_rope, cos, sin, *head_weights, EPS)
+    torch.testing.assert_close(q_out, expected_q, **rotary_tolerance(dtype))
+    torch.testing.assert_close(k_out, expected_k, **rotary_tolerance(dtype))
+    assert torch.equal(token_ids, exponential_race_torch(*race))
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")

@@ -77,6 +77,52 @@ def test_greedy_rows_ignore_filters_and_batch_mates() -> None:
     assert torch.equal(out.token_ids[1::2], logits[1::2].argmax(dim=-1))
 
 
+def test_greedy_ties_go_to_the_first_index_on_every_path() -> None:
+    logits = torch.zeros(4, 50)
+    logits[:, [3, 20, 41]] = 1.0
+    greedy = SamplingParams(temperature=0.0)
+    batches = {
+        "fast": SamplingParams(temperature=0.8),
+        "filtered": SamplingParams(top_k=5, top_p=0.9),
+        "penalised": SamplingParams(presence_penalty=0.5),
+    }
+    for name, sampled in batches.items():
+        out = run(logits, [greedy, sampled, greedy, sampled], output_ids=[[], [], [], [1]])
+        assert out.token_ids[0::2].tolist() == [3, 3], name
+
+
+def test_mixed_batch_draws_what_the_race_defines() -> None:
+    """Without penalties or filters: greedy rows take the argmax, sampled rows the argmax of
+    softmax(logits / temperature) / E with E the rows' counter-based noise."""
+    generator = torch.Generator().manual_seed(9)
+    rows, vocab = 12, 500
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    temperatures = [0.0, 0.5, 1.0, 1.7] * 3
+    seeds = torch.randint(2**40, (rows,), generator=generator).tolist()
+    outputs = [[1] * i for i in range(rows)]  # counters 0 .. rows - 1
+    out = run(logits, [SamplingParams(temperature=t) for t in temperatures], seeds, None, outputs)
+    noise = exponential_noise(torch.tensor(seeds), torch.arange(rows), vocab)
+    for i, t in enumerate(temperatures):
+        want = logits[i].argmax() if t == 0 else ((logits[i] / t).softmax(-1) / noise[i]).argmax()
+        assert out.token_ids[i] == want, i
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_logits_in_the_model_dtype_sample_like_their_float32_values(trial: int) -> None:
+    generator = torch.Generator().manual_seed(200 + trial)
+    rows, vocab = 16, 300
+    logits = (torch.randn(rows, vocab, generator=generator) * 2).to(torch.bfloat16)
+    params = [random_row_params(generator) for _ in range(rows)]
+    outputs = [torch.randint(vocab, (3,), generator=generator).tolist() for _ in range(rows)]
+    got = run(logits, params, output_ids=outputs, banned_ids=[[0]] * rows)
+    want = run(logits.float(), params, output_ids=outputs, banned_ids=[[0]] * rows)
+    assert torch.equal(got.token_ids, want.token_ids)
+    for name in ("logprobs", "top_token_ids", "top_logprobs"):
+        got_value, want_value = getattr(got, name), getattr(want, name)
+        assert (got_value is None) == (want_value is None), name
+        assert got_value is None or torch.equal(got_value, want_value), name
+
+
 def test_top_k_one_equals_greedy() -> None:
     logits = torch.randn(64, 200, generator=torch.Generator().manual_seed(2)) * 0.1
     out = run(logits, [SamplingParams(top_k=1, temperature=1.5)] * 64)
@@ -281,7 +327,7 @@ def random_row_params(generator: torch.Generator) -> SamplingParams:
 def test_batch_invariance(trial: int) -> None:
     vocab = 300
     generator = torch.Generator().manual_seed(100 + trial)
-    target = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    target = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, logprobs=0)
     target_logits = torch.randn(vocab, generator=generator)
     target_row = dict(seed=987_654 + trial, prompt=[1, 2, 3], output=[7, 8] * trial, banned=[0])
 
@@ -366,13 +412,19 @@ def test_logprobs_come_from_raw_logits() -> None:
 def test_chosen_logprob_ignores_the_penalty_that_shaped_the_choice() -> None:
     logits = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
     params = [
-        SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=1.0),
-        SamplingParams(temperature=0.05, frequency_penalty=0.5),
+        SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=1.0, logprobs=0),
+        SamplingParams(temperature=0.05, frequency_penalty=0.5, logprobs=0),
     ]
     out = run(logits, params, prompt_ids=[[0], []], output_ids=[[0], [0, 0]])
     assert out.token_ids.tolist() == [0, 0]  # still the favourite after penalties
     raw = logits.log_softmax(dim=-1)[:, 0]
     assert torch.allclose(out.logprobs, raw, atol=1e-6)
+
+
+def test_no_logprobs_unless_a_row_asks() -> None:
+    logits = torch.randn(3, 10)
+    out = run(logits, [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=2)])
+    assert out.logprobs is None and out.top_token_ids is None and out.top_logprobs is None
 
 
 def test_no_top_logprobs_unless_requested() -> None:
@@ -393,6 +445,18 @@ def test_prompt_logprobs(k: int) -> None:
     ref_values, ref_ids = reference.topk(k, dim=-1)
     assert torch.equal(top_ids, ref_ids)
     assert torch.allclose(top_lps.double(), ref_values, atol=1e-6)
+
+
+def test_prompt_logprobs_of_a_long_prompt_in_the_model_dtype() -> None:
+    """More rows than one float32 pass takes: the same numbers as one pass over all of them."""
+    generator = torch.Generator().manual_seed(11)
+    logits = (torch.randn(2500, 40, generator=generator) * 2).to(torch.bfloat16)
+    next_ids = torch.randint(40, (2500,), generator=generator)
+    chosen, top_ids, top_lps = prompt_logprobs(logits, next_ids, 3)
+    reference = logits.float().log_softmax(dim=-1)
+    assert torch.equal(chosen, reference[torch.arange(2500), next_ids])
+    ref_values, ref_ids = reference.topk(3, dim=-1)
+    assert torch.equal(top_ids, ref_ids) and torch.equal(top_lps, ref_values)
 
 
 # --- on a GPU: same draws as the CPU, and no host sync inside the sampler ------------------

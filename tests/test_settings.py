@@ -151,6 +151,7 @@ SAMPLES = {
     "max_model_len": 77,
     "engine_seed": 5,
     "enforce_eager": True,
+    "async_scheduling": True,
     "block_size": 32,
     "num_blocks": 9,
     "kv_cache_memory_gib": 2.5,

@@ -6,7 +6,8 @@
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache"])
 #
 # Steps (arguments, in any order): tests, kernels, bench, bench-hf (adds transformers),
-# smollm2, profile. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
+# bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
+# profile, profile-kernels. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
 # and unpack the ficache.tar.gz that comes back into .ficache/ for the next call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,6 +32,14 @@ for step in "$@"; do
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
         --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench-sync) python3 benchmarks/gpu_bench.py --no-async-scheduling \
+        --json-out "$OUT/gpu-qwen3-0.6b-sync.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    serving) python3 -c "from pathlib import Path; from benchmarks.gpu_bench import SHAPES, write_random_model; \
+write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen3-0.6b'))" &&
+        python3 benchmarks/serving.py --start-server --model /tmp/pagedserve-bench-models/qwen3-0.6b \
+        --concurrency 256 --num-prompts 256 --min-in 100 --max-in 1024 --min-out 100 \
+        --max-out 1024 --max-num-batched-tokens 16384 --compare-offline \
+        --json-out "$OUT/gpu-serving-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt"

@@ -229,60 +229,257 @@ def store_kv(
     )
 
 
+@triton.jit
+def _norm_and_rotate_heads(
+    x_ptr,
+    x_stride_token,
+    x_stride_head,
+    weight_ptr,
+    out_ptr,
+    token,
+    cos,
+    sin,
+    num_heads,
+    half,
+    eps,
+    HAS_NORM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # All heads of one token as two [heads, D/2] tiles, the halves the rotation pairs up.
+    heads = tl.arange(0, BLOCK_HEADS)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < half
+    mask = (heads < num_heads)[:, None] & col_mask[None, :]
+    first = x_ptr + token * x_stride_token + heads[:, None] * x_stride_head + cols[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + half, mask=mask, other=0.0)
+    out_dtype = out_ptr.dtype.element_ty
+    x1_32 = x1.to(tl.float32)
+    x2_32 = x2.to(tl.float32)
+    if HAS_NORM:
+        squares = tl.sum(x1_32 * x1_32, axis=1) + tl.sum(x2_32 * x2_32, axis=1)
+        inv_rms = tl.rsqrt(squares / (2 * half) + eps)[:, None]
+        w1 = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        # Rounded as rms_norm rounds: the normed value to the input's dtype, its product with
+        # the weight to the output's; the rotation then starts from that rounded value.
+        x1_32 = (w1 * (x1_32 * inv_rms).to(x1.dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        x2_32 = (w2 * (x2_32 * inv_rms).to(x2.dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    rotated1 = x1_32 * cos[None, :] - x2_32 * sin[None, :]
+    rotated2 = x2_32 * cos[None, :] + x1_32 * sin[None, :]
+    out = out_ptr + (token * num_heads + heads[:, None]) * (2 * half) + cols[None, :]
+    tl.store(out, rotated1.to(out_dtype), mask=mask)
+    tl.store(out + half, rotated2.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_qk_kernel(
+    q_ptr,
+    q_stride_token,
+    q_stride_head,
+    k_ptr,
+    k_stride_token,
+    k_stride_head,
+    cos_ptr,
+    sin_ptr,
+    cos_stride,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    num_q_heads,
+    num_kv_heads,
+    half,
+    eps,
+    HAS_NORM: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_KV_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: its cos / sin row is read once for all its q and k heads.
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_ptr + token * cos_stride + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + token * cos_stride + cols, mask=cols < half, other=0.0)
+    _norm_and_rotate_heads(
+        q_ptr,
+        q_stride_token,
+        q_stride_head,
+        q_weight_ptr,
+        q_out_ptr,
+        token,
+        cos,
+        sin,
+        num_q_heads,
+        half,
+        eps,
+        HAS_NORM,
+        BLOCK_Q_HEADS,
+        BLOCK_HALF,
+    )
+    _norm_and_rotate_heads(
+        k_ptr,
+        k_stride_token,
+        k_stride_head,
+        k_weight_ptr,
+        k_out_ptr,
+        token,
+        cos,
+        sin,
+        num_kv_heads,
+        half,
+        eps,
+        HAS_NORM,
+        BLOCK_KV_HEADS,
+        BLOCK_HALF,
+    )
+
+
+def rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    assert cos.shape == sin.shape == (num_tokens, head_dim // 2) and cos.stride() == sin.stride()
+    assert cos.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32
+    has_norm = q_norm_weight is not None
+    q_dtype, k_dtype = q.dtype, k.dtype
+    if has_norm:  # rms_norm's result dtype
+        q_dtype = torch.promote_types(q.dtype, q_norm_weight.dtype)
+        k_dtype = torch.promote_types(k.dtype, k_norm_weight.dtype)
+    q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
+    block_q_heads = triton.next_power_of_2(num_q_heads)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    if num_tokens:
+        _rotary_qk_kernel[(num_tokens,)](
+            q,
+            q.stride(0),
+            q.stride(1),
+            k,
+            k.stride(0),
+            k.stride(1),
+            cos,
+            sin,
+            cos.stride(0),
+            q_norm_weight,
+            k_norm_weight,
+            q_out,
+            k_out,
+            num_q_heads,
+            num_kv_heads,
+            head_dim // 2,
+            eps,
+            HAS_NORM=has_norm,
+            BLOCK_Q_HEADS=block_q_heads,
+            BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=block_half,
+            num_warps=_num_warps(2 * block_q_heads * block_half),
+        )
+    return q_out, k_out
+
+
 # ---- sampling: the exponential race of engine/sampler.py, in one pass over the logits ----
 
 
 @triton.jit
-def _mul32(x, constant: tl.constexpr):
-    # (x * constant) mod 2^32 in int64 by 16-bit halves, exactly as engine/sampler.py does,
-    # so the noise is bit-identical to the torch path's.
-    low_half: tl.constexpr = constant & 0xFFFF
-    high_half: tl.constexpr = constant >> 16
-    return (x * low_half + (((x * high_half) & 0xFFFF) << 16)) & 0xFFFFFFFF
+def _fmix32(x):
+    # MurmurHash3's finaliser on uint32, whose products wrap mod 2^32: the same bits as
+    # engine/sampler.py's int64 emulation, so the noise is bit-identical to the torch path's.
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
 
 
 @triton.jit
-def _fmix32(x):
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+def _row_key(seed, counter):
+    # engine/sampler.py's row_keys: the int64 seed's two halves, then the counter.
+    key = _fmix32(seed.to(tl.uint32) ^ 0x5BD1E995)  # int64 -> uint32 keeps the low half
+    key = _fmix32(key ^ (seed >> 32).to(tl.uint32))
+    return _fmix32(key ^ counter.to(tl.uint32))
 
 
 @triton.jit(do_not_specialize=["vocab_size"])
 def _exponential_race_kernel(
-    scaled_ptr, row_stride, row_keys_ptr, out_ptr, vocab_size, BLOCK: tl.constexpr
+    logits_ptr,
+    row_stride,
+    temperature_ptr,
+    greedy_ptr,
+    seeds_ptr,
+    counters_ptr,
+    out_ptr,
+    vocab_size,
+    HAS_TEMPERATURE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # One program per row: argmax over v of scaled_v - log(E_v), E_v = -log(u_v) with u_v the
-    # row key's Weyl-walk hash of v. The same choice as argmax(softmax(scaled) / E), since
-    # log softmax only subtracts the row's constant log-normaliser.
+    # One program per row. A greedy row: argmax of its logits. A sampled row: argmax over v
+    # of logit_v / temperature - log(E_v), E_v = -log(u_v) with u_v the row key's Weyl-walk
+    # hash of v: the same choice as argmax(softmax(scaled) / E), since log softmax only
+    # subtracts the row's constant log-normaliser.
     row = tl.program_id(0).to(tl.int64)
-    key = tl.load(row_keys_ptr + row)
+    greedy = tl.load(greedy_ptr + row)
+    key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
+    if HAS_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int64)
+    best_index = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab_size, BLOCK):
-        cols = start + tl.arange(0, BLOCK).to(tl.int64)
+        cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab_size
-        scaled = tl.load(scaled_ptr + row * row_stride + cols, mask=mask, other=float("-inf"))
-        bits = _fmix32((key + _mul32(cols, 0x9E3779B9)) & 0xFFFFFFFF)
-        uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
-        value = scaled.to(tl.float32) - tl.log(-tl.log(uniform))
+        logits = tl.load(logits_ptr + row * row_stride + cols, mask=mask, other=float("-inf"))
+        value = logits.to(tl.float32)
+        if not greedy:
+            if HAS_TEMPERATURE:
+                value = tl.math.div_rn(value, temperature)  # IEEE, as torch divides
+            bits = _fmix32(key + cols.to(tl.uint32) * 0x9E3779B9)
+            uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+            value = value - tl.log(-tl.log(uniform))
         better = value > best  # strict: each lane keeps its first maximum
         best = tl.where(better, value, best)
         best_index = tl.where(better, cols, best_index)
     top = tl.max(best, axis=0)
     # The first index reaching the maximum, as torch.argmax picks.
-    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_index, vocab_size), axis=0))
+    first = tl.min(tl.where(best == top, best_index, vocab_size), axis=0)
+    tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def exponential_race(scaled: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: per row, the exponential race's winner over scaled [B, V] (float32)."""
-    assert scaled.stride(-1) == 1
-    num_rows, vocab_size = scaled.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=scaled.device)
+def exponential_race(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    is_greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """int64 [B]: per row of logits [B, V] (any float dtype), the argmax on greedy rows, the
+    race's winner over logits / temperature (None: already scaled) on the others."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows:
         _exponential_race_kernel[(num_rows,)](
-            scaled, scaled.stride(0), row_keys, out, vocab_size, BLOCK=2048, num_warps=8
+            logits,
+            logits.stride(0),
+            temperature,
+            is_greedy,
+            seeds,
+            counters,
+            out,
+            vocab_size,
+            HAS_TEMPERATURE=temperature is not None,
+            BLOCK=2048,
+            num_warps=8,
         )
     return out

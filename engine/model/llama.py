@@ -2,8 +2,8 @@
 
 Plain, device-agnostic torch over a flat varlen batch: every tensor is [T, ...] where T
 is the number of new tokens in the step, across all sequences. Attention goes through
-the backend, which owns the paged KV cache. Norms and the activation come from
-engine/kernels: Triton kernels on CUDA, the same math in plain torch on the CPU.
+the backend, which owns the paged KV cache. Norms, rotary embedding and the activation
+come from engine/kernels: Triton kernels on CUDA, the same math in plain torch on the CPU.
 
 The residual stream is carried beside the hidden states, vLLM-style: each layer returns
 its MLP output and the stream *without* adding them, and the next norm does the add and
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.kernels import fused_add_rms_norm, rms_norm, silu_and_mul
+from engine.kernels import fused_add_rms_norm, rms_norm, rotary_qk, silu_and_mul
 from engine.model.config import ModelConfig
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +74,7 @@ class Attention(nn.Module):
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
-        if config.qk_norm:
+        if config.qk_norm:  # modules for their weights' names; rotary_qk applies them
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
@@ -93,10 +93,12 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+        if self.q_norm is None:
+            q, k = rotary_qk(q, k, cos, sin)
+        else:  # Qwen3: per-head RMSNorm first, in the same op
+            q, k = rotary_qk(
+                q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            )
         out = self.backend.forward(q, k, v, kv_cache, meta, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -187,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 [N, vocab] logits for N hidden rows."""
+        """[N, vocab] logits for N hidden rows, contiguous, in the model's dtype: the sampler
+        and prompt_logprobs read them in float32 themselves, so no float32 copy is made."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head.weight).float().contiguous()
+        return linear(hidden, head.weight).contiguous()

@@ -1,7 +1,8 @@
-"""Rotary position embedding, "rotate_half" (neox) convention as in Hugging Face Llama.
+"""Rotary position embedding's angles, "rotate_half" (neox) convention as in Hugging Face Llama.
 
 Each head vector is split into halves (x1, x2); frequency i rotates the pair
-(x1[i], x2[i]) by angle position * inv_freq[i]. Scaling only changes inv_freq.
+(x1[i], x2[i]) by angle position * inv_freq[i]. Scaling only changes inv_freq. This module
+computes the angles' cos and sin; engine/kernels/rotary.py applies the rotation.
 """
 
 from __future__ import annotations
@@ -65,18 +66,3 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for a flat [T] positions tensor: each float32 [T, head_dim // 2]."""
         return self.cos_cache[positions], self.sin_cache[positions]
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in float32; returns them in their own dtype."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos = cos.unsqueeze(1)  # broadcast over heads
-    sin = sin.unsqueeze(1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
