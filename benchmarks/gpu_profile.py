@@ -5,7 +5,8 @@
 Runs gpu_bench's offline workload and times, for every engine step, the scheduler, the
 runner (input preparation, launch, the wait for the GPU at the sampled-token read) and the
 token post-processing (detokenize, stops, events). A step whose runner time is mostly the
-wait is GPU-bound; one whose time is mostly host phases is bound by Python. --kernels
+wait is GPU-bound; one whose time is mostly host phases is bound by Python. A timeline
+then shows each window of 100 steps: its mean step time and what the steps held. --kernels
 instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel.
 """
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import io
 import pstats
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,12 +68,48 @@ def main() -> None:
         profile_kernels(engine, work, params)
         return
     totals: dict[str, float] = defaultdict(float)
-    engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
-    runner.execute = timed(totals, "runner.execute (queue a step)", runner.execute)
-    runner.collect = timed(totals, "runner.collect (wait, read back)", runner.collect)
+    steps: list[StepRecord] = []
+    schedule = timed(totals, "schedule", engine.scheduler.schedule)
+
+    def recorded_schedule():
+        out = schedule()
+        decodes = sum(c.num_tokens == 1 for c in out.chunks)
+        steps.append(StepRecord(time.perf_counter(), decodes, out.num_tokens - decodes))
+        return out
+
+    execute = timed(totals, "runner.execute (queue a step)", runner.execute)
+
+    def recorded_execute(*args, **kwargs):
+        steps[-1].gpu_start.record()
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            steps[-1].execute_s = time.perf_counter() - start
+
+    collect = timed(totals, "runner.collect (wait, read back)", runner.collect)
+
+    def recorded_collect(launched):
+        start = time.perf_counter()
+        try:
+            return collect(launched)
+        finally:
+            steps[-1].collect_s += time.perf_counter() - start
+
+    engine.scheduler.schedule = recorded_schedule
+    runner.execute = recorded_execute
+    runner.collect = recorded_collect
     engine._append_token = timed(totals, "append tokens (detok, stops)", engine._append_token)
-    steps = [0]
-    engine.step = timed(totals, "engine.step (all)", _counting(engine.step, steps))
+    engine.step = timed(totals, "engine.step (all)", engine.step)
+    gc_started = [0.0]
+
+    def time_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        elif steps:
+            steps[-1].gc_s += time.perf_counter() - gc_started[0]
+
+    gc.callbacks.append(time_gc)
 
     profiler = cProfile.Profile() if args.cprofile else None
     torch.cuda.synchronize()
@@ -81,10 +120,12 @@ def main() -> None:
     if profiler:
         profiler.disable()
     elapsed = time.perf_counter() - start
+    gc.callbacks.remove(time_gc)
 
-    print(f"{elapsed:.2f} s, {steps[0]} steps, {elapsed / steps[0] * 1e3:.2f} ms per step")
+    print(f"{elapsed:.2f} s, {len(steps)} steps, {elapsed / len(steps) * 1e3:.2f} ms per step")
     for name, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:32s} {seconds:7.2f} s  {seconds / steps[0] * 1e3:7.3f} ms/step")
+        print(f"  {name:32s} {seconds:7.2f} s  {seconds / len(steps) * 1e3:7.3f} ms/step")
+    print_timeline(steps, window=50)
     if profiler:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(35)
@@ -106,12 +147,49 @@ def profile_kernels(engine, work, params) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
-def _counting(fn, counter: list[int]):
-    def wrapper(*args, **kwargs):
-        counter[0] += 1
-        return fn(*args, **kwargs)
+@dataclass
+class StepRecord:
+    scheduled_at: float  # perf_counter when the scheduler returned
+    decode_rows: int
+    prefill_tokens: int
+    gpu_start: torch.cuda.Event = field(
+        default_factory=lambda: torch.cuda.Event(enable_timing=True)
+    )
+    execute_s: float = 0.0
+    collect_s: float = 0.0  # the collect that ran in this step's engine.step()
+    gc_s: float = 0.0  # Python's garbage collector, from this step's schedule to the next
 
-    return wrapper
+
+def print_timeline(steps: list[StepRecord], window: int) -> None:
+    """Per window of steps, in ms per step: wall time between schedules, the GPU's time
+    between step starts, and the host's execute / collect / GC shares."""
+    steps = [s for s in steps if s.execute_s]  # the last schedule found nothing to run
+    print("steps    wall    gpu  execute  collect     gc  decode rows  prefill tokens")
+    for first in range(0, len(steps) - 1, window):
+        part = steps[first : first + window + 1]
+        n = len(part) - 1
+        wall = (part[-1].scheduled_at - part[0].scheduled_at) / n * 1e3
+        gpu = part[0].gpu_start.elapsed_time(part[-1].gpu_start) / n
+
+        execute, collect, gc_ms, decodes, prefill = (
+            sum(values) / n
+            for values in zip(
+                *(
+                    (
+                        p.execute_s * 1e3,
+                        p.collect_s * 1e3,
+                        p.gc_s * 1e3,
+                        p.decode_rows,
+                        p.prefill_tokens,
+                    )
+                    for p in part[:-1]
+                )
+            )
+        )
+        print(
+            f"{first:5d}+ {wall:6.2f} {gpu:6.2f} {execute:8.2f} {collect:8.2f} {gc_ms:6.2f}"
+            f" {decodes:12.1f} {prefill:15.1f}"
+        )
 
 
 if __name__ == "__main__":

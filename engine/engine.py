@@ -7,6 +7,7 @@ drive this object; neither it nor they know about gRPC or HTTP.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -133,6 +134,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        # What start-up built (the model, the tokenizer, the block manager's blocks) lives
+        # as long as the engine: keep it out of the collector's full passes, which would
+        # otherwise walk it all again and again, a pause of ~0.3 s each on a GPU host.
+        gc.freeze()
 
     # ---- admission -------------------------------------------------------------------
 

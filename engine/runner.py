@@ -123,7 +123,9 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
-        total += -(-a.nbytes // 8) * 8  # every part starts 8-byte aligned, as int64 needs
+        # Every part starts 16-byte aligned: Triton specializes a kernel on whether each
+        # pointer is, so parts that shifted with the batch size would recompile kernels.
+        total += -(-a.nbytes // 16) * 16
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     staging_bytes = staging.numpy()
     for a, offset in zip(arrays, offsets, strict=True):

@@ -5,9 +5,9 @@
 #
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache"])
 #
-# Steps (arguments, in any order): tests, kernels, bench, bench-hf (adds transformers),
+# Steps (arguments, in any order): tests, kernels, attention, bench, bench-hf (adds transformers),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
-# profile, profile-kernels. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
+# profile, cprofile, profile-kernels. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
 # and unpack the ficache.tar.gz that comes back into .ficache/ for the next call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,6 +28,7 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -s -m gpu tests/ -p no:cacheprovider 2>&1 | grep -v "it/s\]" \
         | tee -a "$OUT/log.txt" ;;
+    attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
@@ -42,8 +43,8 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
         --json-out "$OUT/gpu-serving-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt"
-        python3 benchmarks/gpu_profile.py --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt" ;;
+    cprofile) python3 benchmarks/gpu_profile.py --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-kernels) python3 benchmarks/gpu_profile.py --kernels 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

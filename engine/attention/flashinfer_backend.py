@@ -138,10 +138,15 @@ class FlashInferAttention:
         # the rest through self._prefill.
         self._decode = self._eager_decode
         self._num_decode_rows = 0
+        # A wrapper's plan() stages its schedule in one pinned host buffer and copies it to
+        # the device asynchronously; with the device running a step ahead (async
+        # scheduling) the next plan must not overwrite that buffer before the copy ran.
+        self._plan_copied = torch.cuda.Event()
 
     # ---- per step, on the host ----------------------------------------------------------
 
     def plan(self, meta: AttentionMetadata) -> None:
+        self._plan_copied.synchronize()  # at once, but for a plan still queued behind a step
         pages = split_step(
             meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables_cpu, meta.block_size
         )
@@ -172,6 +177,7 @@ class FlashInferAttention:
                 kv_data_type=self.dtype,
                 non_blocking=True,
             )
+        self._plan_copied.record()
 
     def add_graph_batch_size(
         self,
@@ -200,6 +206,7 @@ class FlashInferAttention:
         """Plan a pure-decode step of a captured batch size (padding rows included): copies
         its page tables into the graph's buffers, for a capture or a replay to read."""
         wrapper = self._graph_decode[len(seq_lens)]
+        self._plan_copied.synchronize()
         table = page_table(seq_lens, block_tables, block_size)
         self._plan_decode(
             wrapper,
@@ -209,6 +216,7 @@ class FlashInferAttention:
             block_size,
         )
         self._decode, self._num_decode_rows = wrapper, len(seq_lens)
+        self._plan_copied.record()
 
     def _plan_decode(
         self,
