@@ -7,6 +7,7 @@ drive this object; neither it nor they know about gRPC or HTTP.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -34,6 +35,11 @@ from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# LLMEngine freezes what it builds at start-up out of the garbage collector's passes; the
+# interpreter's last collection at exit must see it again (triton's bindings report what
+# they find uncollected as leaks).
+atexit.register(gc.unfreeze)
 
 _MASK64 = (1 << 64) - 1
 
@@ -137,7 +143,7 @@ class LLMEngine:
         # What start-up built (the model, the tokenizer, the block manager's blocks) lives
         # as long as the engine: keep it out of the collector's full passes, which would
         # otherwise walk it all again and again, a pause of ~0.3 s each on a GPU host.
-        gc.freeze()
+        gc.freeze()  # (until exit: see the atexit hook at the top)
 
     # ---- admission -------------------------------------------------------------------
 
