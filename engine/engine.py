@@ -404,18 +404,20 @@ class LLMEngine:
 
     def _row(self, chunk_index: int, seq: Sequence, seed: int) -> SampleRow:
         params = seq.request.params
+        num_sampled = seq.num_sampled_tokens
         banned: list[int] = []
-        if seq.num_sampled_tokens < params.min_tokens:
+        if num_sampled < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned.extend(self.eos_token_ids)
+        history = _uses_penalties(params)  # only penalties read it: no copy per row otherwise
         return SampleRow(
             chunk_index=chunk_index,
             params=params,
             seed=seed,
-            num_sampled=seq.num_sampled_tokens,
-            prompt_ids=seq.request.prompt_token_ids,
-            output_ids=seq.output_token_ids,
+            num_sampled=num_sampled,
+            prompt_ids=seq.request.prompt_token_ids if history else [],
+            output_ids=seq.output_token_ids if history else [],
             banned_ids=banned,
         )
 

@@ -43,6 +43,7 @@ class SampleRow:
     params: SamplingParams
     seed: int
     num_sampled: int  # output tokens sampled before this one: the row's random counter
+    # The token history, which only penalties read: empty for rows without one.
     prompt_ids: list[int]
     output_ids: list[int]  # complete whenever the row uses a penalty
     banned_ids: list[int]  # e.g. EOS and stop token ids while below min_tokens
@@ -361,22 +362,29 @@ class ModelRunner:
         return row_start, max(0, last_predicting - chunk.start)
 
     def _flatten(self, chunks: list[ScheduledChunk], pending_rows: dict[int, int]) -> StepInputs:
+        # Runs for every sequence of every step: plain loops, a short path for decodes.
         bs = self.block_size
         step = StepInputs([], [], [], [], [], [], [], [])
         for i, c in enumerate(chunks):
-            blocks = c.seq.block_table.block_ids
-            known = c.seq.token_ids[c.start : c.end]
-            if len(known) < c.num_tokens:  # the last one is still in flight
-                assert len(known) == c.num_tokens - 1, "only a sequence's last token is pending"
+            seq, start, end = c.seq, c.start, c.end
+            blocks = seq.block_table.block_ids
+            known = seq.token_ids[start:end]
+            if len(known) < end - start:  # the last one is still in flight
+                assert len(known) == end - start - 1, "only a sequence's last token is pending"
                 step.pending_at.append(len(step.input_ids) + len(known))
                 step.pending_from.append(pending_rows[i])
                 known.append(0)
-            step.input_ids.extend(known)
-            step.positions.extend(range(c.start, c.end))
-            step.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(c.start, c.end))
-            step.query_lens.append(c.num_tokens)
-            step.seq_lens.append(c.end)
-            step.block_tables.append(blocks[: (c.end + bs - 1) // bs])
+            step.input_ids += known
+            if end - start == 1:
+                step.positions.append(start)
+                step.slot_mapping.append(blocks[start // bs] * bs + start % bs)
+            else:
+                step.positions += range(start, end)
+                step.slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            step.query_lens.append(end - start)
+            step.seq_lens.append(end)
+            num_pages = (end + bs - 1) // bs
+            step.block_tables.append(blocks if len(blocks) == num_pages else blocks[:num_pages])
         return step
 
     def _replayable(self, step: StepInputs) -> bool:
