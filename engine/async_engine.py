@@ -45,9 +45,7 @@ class RequestStream:
     has finished.
 
     Each candidate has a bounded mailbox for its step events and a separate slot for its
-    final event, so a full mailbox can never swallow how a candidate ended. Step events
-    that have piled up by the time the consumer asks are handed out merged into one, so a
-    consumer that falls behind catches up with fewer, larger deltas (fewer stream writes). A step event
+    final event, so a full mailbox can never swallow how a candidate ended. A step event
     that finds its mailbox full means the consumer stopped keeping up: the request is
     cancelled and iteration raises StreamOverflow. Only this request pays; the engine never
     waits for a consumer. A consumer that stops iterating before the end (it left the loop,
@@ -86,10 +84,6 @@ class RequestStream:
                 f"{self.mailbox_size} events; the request was cancelled"
             )
         for index, mailbox in enumerate(self._mailboxes):
-            if len(mailbox) > 1:  # the consumer is behind: hand out what waits as one delta
-                events = list(mailbox)
-                mailbox.clear()
-                return CandidateEvent.merge(events)
             if mailbox:
                 return mailbox.popleft()
             if index in self._finals and index not in self._done:
@@ -248,9 +242,6 @@ class AsyncEngine:
         by_request: dict[str, list[CandidateEvent]] = {}
         for event in events:
             by_request.setdefault(event.request_id, []).append(event)
-        # One wake-up per event loop per step, not one per request: each is a write to the
-        # loop's self-pipe, made while this thread holds the GIL.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list]]] = {}
         for request_id, batch in by_request.items():
             entry = self._streams.get(request_id)
             if entry is None:
@@ -258,9 +249,7 @@ class AsyncEngine:
             stream, loop = entry
             if request_id not in self.engine.requests:
                 del self._streams[request_id]
-            by_loop.setdefault(loop, []).append((stream, batch))
-        for loop, deliveries in by_loop.items():
-            _call_soon(loop, _deliver, deliveries)
+            _call_soon(loop, stream._push, batch)
 
     def _fail_all(self, error: str) -> None:
         for request_id, (stream, loop) in list(self._streams.items()):
@@ -270,11 +259,6 @@ class AsyncEngine:
             ]
             _call_soon(loop, stream._push, events)
         self._streams.clear()
-
-
-def _deliver(deliveries: list[tuple[RequestStream, list[CandidateEvent]]]) -> None:
-    for stream, events in deliveries:
-        stream._push(events)
 
 
 def _resolve(
