@@ -276,7 +276,9 @@ class ModelRunner:
         """Copy whole KV blocks (src -> dst) in every layer: copy-on-write for forked candidates."""
         if not pairs:
             return
-        src, dst = upload(np.array(pairs, dtype=np.int64).T.copy(), self.device)
+        src, dst = upload(
+            [np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])], self.device
+        )
         for cache in self.kv_caches:
             cache[dst] = cache[src]
 

@@ -14,6 +14,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,7 +27,7 @@ from engine.kernels.rotary import rotary_qk_torch
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput
-from engine.runner import kv_bytes_per_block
+from engine.runner import kv_bytes_per_block, upload
 from engine.sampler import Sampler, SamplingTensors
 from engine.sampling_params import SamplingParams
 from tests.test_kernels import ROTARY_SHAPES, norm_weight, qk_inputs, rotary_tolerance
@@ -415,3 +416,20 @@ def test_sampler_fast_path_on_cuda_is_one_kernel_drawing_the_cpu_tokens(dtype):
     assert got.logprobs is None and want.logprobs is None
     assert torch.equal(got.token_ids.cpu(), want.token_ids)
     assert got.token_ids[1] == 5
+
+
+def test_one_upload_keeps_values_and_16_byte_alignment():
+    # Odd sizes on purpose: each would push the next part off alignment if not padded.
+    arrays = [
+        np.arange(7, dtype=np.int64),
+        np.array([1.5, -2.0, 3.25], dtype=np.float32),
+        np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32),
+        np.array([True, False, True], dtype=np.bool_),
+        np.empty((0,), dtype=np.int64),
+        np.arange(5, dtype=np.int64),
+    ]
+    moved = upload(arrays, torch.device("cuda"))
+    for array, tensor in zip(arrays, moved, strict=True):
+        assert tensor.is_cuda and tensor.data_ptr() % 16 == 0
+        assert tensor.shape == array.shape
+        assert np.array_equal(tensor.cpu().numpy(), array)
