@@ -215,9 +215,10 @@ def teacher_forced_logits(
     return [torch.cat(per_seq) for per_seq in logits]
 
 
-def test_bf16_gpu_tracks_float32_cpu_teacher_forced(model_dir):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_gpu_tracks_float32_cpu_teacher_forced(model_dir, dtype):
     tokens = random_prompts(2, seed=3, lo=256, hi=256)
-    gpu = teacher_forced_logits(model_dir, "cuda", torch.bfloat16, tokens)
+    gpu = teacher_forced_logits(model_dir, "cuda", dtype, tokens)
     cpu = teacher_forced_logits(model_dir, "cpu", torch.float32, tokens)
     for got, want in zip(gpu, cpu, strict=True):
         assert got.shape == want.shape == (256, 400)
@@ -230,7 +231,7 @@ def test_bf16_gpu_tracks_float32_cpu_teacher_forced(model_dir):
         # A random-weight model has many near-ties (~1/4 of positions here) where bf16
         # rounding alone flips the pick; everywhere else the GPU must agree.
         print(  # the figures behind the verdict, for the GPU run's log (pytest -s)
-            f"bf16 vs fp32: last-position rel err {relative:.4f}, top-1 agreement "
+            f"{dtype} vs fp32: last-position rel err {relative:.4f}, top-1 agreement "
             f"{agree.float().mean():.3f} overall, {agree[decisive].float().mean():.3f} on "
             f"{int(decisive.sum())} decisive positions"
         )
@@ -239,6 +240,18 @@ def test_bf16_gpu_tracks_float32_cpu_teacher_forced(model_dir):
 
 
 # ---- the engine on the GPU: each optimisation on and off ---------------------------------
+
+
+def test_fp16_engine_generates_what_the_float32_cpu_engine_does(model_dir):
+    prompts = random_prompts(6, seed=13, lo=5, hi=60)
+    params = greedy(16)
+    cpu = LLM(str(model_dir), device="cpu", num_blocks=512, block_size=BLOCK_SIZE)
+    want = cpu.generate(prompts, params)
+    del cpu
+    llm = gpu_llm(model_dir, dtype="float16")
+    assert llm.engine.runner.kv_caches[0].dtype == torch.float16
+    assert llm.engine.runner.graphs is not None  # decode steps replay fp16 CUDA graphs
+    assert_greedy_close(llm.generate(prompts, params), want)
 
 
 def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch):
