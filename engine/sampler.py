@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kernels.dispatch import use_triton
@@ -80,56 +81,93 @@ class SamplingTensors:
         min_tokens outputs; else empty)."""
         assert len(params) == len(seeds) == len(prompt_ids) == len(output_ids) == len(banned_ids)
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        # One row of numbers per row, one table for the batch: a single pass over the params
+        # (this runs every step, on the host, for every running sequence).
+        table = np.array([_row_numbers(p, vocab_size) for p in params], dtype=np.float64).reshape(
+            len(params), len(_ROW_NUMBERS)
+        )
+        column = dict(zip(_ROW_NUMBERS, table.T, strict=True))
 
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+        def floats(name: str) -> torch.Tensor:
+            return torch.from_numpy(column[name].astype(np.float32)).to(device)
 
-        uses_repetition = [p.repetition_penalty != 1.0 for p in params]
-        uses_counts = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
-        # Greedy rows ignore the filters: theirs are off, so a filtered batch leaves their
-        # logits as they are and their argmax is the plain one.
-        sampled = [p for p in params if not p.greedy]
-        top_k = [
-            vocab_size if p.greedy or not 0 < p.top_k < vocab_size else p.top_k for p in params
-        ]
-        top_p = [1.0 if p.greedy else p.top_p for p in params]
-        min_p = [0.0 if p.greedy else p.min_p for p in params]
-        needs_filters = any(
-            (0 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled
+        def ints(values: np.ndarray | Sequence[int]) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
+
+        uses_repetition = column["repetition_penalty"] != 1.0
+        uses_counts = (column["presence_penalty"] != 0.0) | (column["frequency_penalty"] != 0.0)
+        is_greedy = column["greedy"] != 0.0
+        # Greedy rows ignore the filters (_row_numbers turns theirs off), so a filtered batch
+        # leaves their logits as they are and their argmax is the plain one.
+        needs_filters = bool(
+            (
+                (column["top_k"] < vocab_size) | (column["top_p"] < 1.0) | (column["min_p"] > 0.0)
+            ).any()
         )
         # Only rows that use a penalty ship their token history to the device.
-        seen = [
-            [*prompt, *output] if used else []
-            for prompt, output, used in zip(prompt_ids, output_ids, uses_repetition, strict=True)
-        ]
-        counted = [
-            list(output) if used else []
-            for output, used in zip(output_ids, uses_counts, strict=True)
-        ]
+        seen = counted = None
+        if uses_repetition.any():
+            seen = [
+                [*prompt, *output] if used else []
+                for prompt, output, used in zip(
+                    prompt_ids, output_ids, uses_repetition, strict=True
+                )
+            ]
+        if uses_counts.any():
+            counted = [
+                list(output) if used else []
+                for output, used in zip(output_ids, uses_counts, strict=True)
+            ]
         return cls(
-            temperature=floats([1.0 if p.greedy else p.temperature for p in params]),
-            is_greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
-            top_k=ints(top_k),
-            top_p=floats(top_p),
-            min_p=floats(min_p),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
-            seeds=ints(list(seeds)),
-            counters=ints([len(o) for o in output_ids] if counters is None else list(counters)),
-            seen_token_ids=_padded_ids(seen, vocab_size, device) if any(uses_repetition) else None,
-            output_token_ids=_padded_ids(counted, vocab_size, device) if any(uses_counts) else None,
+            temperature=floats("temperature"),
+            is_greedy=torch.from_numpy(is_greedy).to(device),
+            top_k=ints(column["top_k"]),
+            top_p=floats("top_p"),
+            min_p=floats("min_p"),
+            repetition_penalty=floats("repetition_penalty"),
+            presence_penalty=floats("presence_penalty"),
+            frequency_penalty=floats("frequency_penalty"),
+            seeds=ints(seeds),
+            counters=ints([len(o) for o in output_ids] if counters is None else counters),
+            seen_token_ids=_padded_ids(seen, vocab_size, device) if seen is not None else None,
+            output_token_ids=(
+                _padded_ids(counted, vocab_size, device) if counted is not None else None
+            ),
             banned_token_ids=(
                 _padded_ids(banned_ids, vocab_size, device) if any(banned_ids) else None
             ),
             vocab_size=vocab_size,
             needs_logprobs=any(p.logprobs is not None for p in params),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            all_greedy=not sampled,
+            all_greedy=bool(is_greedy.all()),
             needs_filters=needs_filters,
         )
+
+
+# The per-row numbers of SamplingTensors, in _row_numbers' order.
+_ROW_NUMBERS = (
+    "temperature",
+    "greedy",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _row_numbers(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
+    """A row's sampling numbers. A greedy row gets temperature 1.0 (dividing is harmless)
+    and every filter off; top-k off is vocab_size."""
+    if p.greedy:
+        return (1.0, 1.0, vocab_size, 1.0, 0.0, *_penalties(p))
+    top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+    return (p.temperature, 0.0, top_k, p.top_p, p.min_p, *_penalties(p))
+
+
+def _penalties(p: SamplingParams) -> tuple[float, float, float]:
+    return (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
 
 
 @dataclass
