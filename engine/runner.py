@@ -471,23 +471,22 @@ class ModelRunner:
         return LaunchedStep([], no_ids, [torch.empty(0, dtype=torch.int64)], None, {})
 
 
+# SamplingTensors' fields that hold tensors (or None when unused), in field order.
+_SAMPLING_TENSOR_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingTensors) if "Tensor" in str(f.type)
+)
+
+
 def _tensor_arrays(tensors: SamplingTensors) -> list[np.ndarray]:
-    """The tensor fields of host SamplingTensors as arrays, in field order (for upload())."""
-    return [
-        value.numpy()
-        for f in dataclasses.fields(tensors)
-        if isinstance(value := getattr(tensors, f.name), torch.Tensor)
-    ]
+    """The tensors of host SamplingTensors as arrays, in field order (for upload())."""
+    values = (getattr(tensors, name) for name in _SAMPLING_TENSOR_FIELDS)
+    return [value.numpy() for value in values if value is not None]
 
 
 def _with_tensors(tensors: SamplingTensors, moved: list[torch.Tensor]) -> SamplingTensors:
-    """`tensors` with its tensor fields replaced by `moved`, in _tensor_arrays order."""
-    names = [
-        f.name
-        for f in dataclasses.fields(tensors)
-        if isinstance(getattr(tensors, f.name), torch.Tensor)
-    ]
-    return dataclasses.replace(tensors, **dict(zip(names, moved, strict=True)))
+    """`tensors` with its tensors replaced by `moved`, in _tensor_arrays order."""
+    present = [n for n in _SAMPLING_TENSOR_FIELDS if getattr(tensors, n) is not None]
+    return dataclasses.replace(tensors, **dict(zip(present, moved, strict=True)))
 
 
 def _to_token_logprobs(
