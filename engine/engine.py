@@ -55,14 +55,6 @@ class _StepInFlight:
     collect_before_next: bool  # the next schedule needs this step's tokens on the host
 
 
-def _uses_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
-
-
 def candidate_seed(seed: int, index: int) -> int:
     """Candidate 0 keeps the request's seed; the others get well-mixed distinct seeds."""
     if index == 0:
@@ -317,8 +309,7 @@ class LLMEngine:
         try:
             launched = self.runner.execute(sched.chunks, sample_rows, prompt_lp_chunks, pending)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
-            log.exception("step failed; failing %d requests", len(sched.chunks))
-            events += self._fail_step(sched.chunks, f"engine error: {type(exc).__name__}: {exc}")
+            events += self._fail_step(sched.chunks, exc)
             return None
 
         for chunk in sched.chunks:
@@ -344,8 +335,7 @@ class LLMEngine:
             # The next step needs this one's tokens on the host when they start new
             # candidates, or feed a penalty's token history.
             collect_before_next=any(
-                index is not None or _uses_penalties(seq.request.params)
-                for seq, index in row_owners
+                index is not None or seq.request.params.uses_penalties for seq, index in row_owners
             ),
         )
 
@@ -355,9 +345,8 @@ class LLMEngine:
             seq.num_pending_tokens -= 1
         try:
             result = self.runner.collect(step.launched)
-        except Exception as exc:
-            log.exception("step failed; failing %d requests", len(step.chunks))
-            return self._fail_step(step.chunks, f"engine error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # e.g. a device error surfacing at the sync
+            return self._fail_step(step.chunks, exc)
 
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
@@ -410,7 +399,7 @@ class LLMEngine:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned.extend(self.eos_token_ids)
-        history = _uses_penalties(params)  # only penalties read it: no copy per row otherwise
+        history = params.uses_penalties  # only penalties read it: no copy per row otherwise
         return SampleRow(
             chunk_index=chunk_index,
             params=params,
@@ -525,7 +514,10 @@ class LLMEngine:
             events.append(event)
         return events
 
-    def _fail_step(self, chunks: list[ScheduledChunk], error: str) -> list[CandidateEvent]:
+    def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[CandidateEvent]:
+        """End the requests of a step that raised exc (call from its except block)."""
+        log.exception("step failed; failing %d requests", len(chunks))
+        error = f"engine error: {type(exc).__name__}: {exc}"
         events: list[CandidateEvent] = []
         for rid in dict.fromkeys(c.seq.request.request_id for c in chunks):
             events.extend(self._finish_request(rid, FinishReason.ERROR, error))

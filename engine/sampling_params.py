@@ -45,6 +45,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Some penalty reads the token history (repetition, presence or frequency)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first invalid field and its allowed range."""
         _check_int("n", self.n, low=1, high=MAX_N)
