@@ -21,7 +21,7 @@ import pstats
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +50,12 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--cprofile", action="store_true", help="also profile the host (slower)")
     p.add_argument("--kernels", action="store_true", help="GPU time by kernel, 20 decode steps")
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="with --kernels: decode this many sequences (128-token prompts), not the workload",
+    )
     args = p.parse_args()
 
     from engine.llm import LLM
@@ -65,6 +71,10 @@ def main() -> None:
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
     if args.kernels:
+        if args.rows is not None:  # batch-1 latency's shape: short prompts, long outputs
+            prompts = [p[:128] for p in work.prompts[: args.rows]]
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1024)] * args.rows
+            work = replace(work, prompts=prompts)
         profile_kernels(engine, work, params)
         return
     totals: dict[str, float] = defaultdict(float)
@@ -133,7 +143,8 @@ def main() -> None:
 
 
 def profile_kernels(engine, work, params) -> None:
-    """Step the engine into steady decoding (every prompt prefilled), then profile 20 steps."""
+    """Step the engine into steady decoding (every prompt prefilled), profile 20 steps on
+    the GPU, then 100 more on the host (cProfile)."""
     for i, (prompt, sp) in enumerate(zip(work.prompts, params, strict=True)):
         engine.add_request(f"r{i}", prompt, sp)
     for _ in range(100):
@@ -145,6 +156,16 @@ def profile_kernels(engine, work, params) -> None:
             engine.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(100):
+        engine.step()
+    profiler.disable()
+    print(f"100 steps in {time.perf_counter() - start:.3f} s under cProfile")
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue())
 
 
 @dataclass

@@ -18,12 +18,12 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from engine.kernels import fused_add_rms_norm, rms_norm, rotary_qk, silu_and_mul, store_kv
+from engine.kernels import fused_add_rms_norm, rms_norm, rotary_and_store_kv, silu_and_mul
 from engine.kernels.activation import silu_and_mul_torch
 from engine.kernels.dispatch import triton_importable
 from engine.kernels.kv_cache import store_kv_torch
 from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from engine.kernels.rotary import rotary_qk_torch
+from engine.kernels.rotary import rotary_and_store_kv_torch, rotary_qk_torch
 from engine.model.rope import RotaryEmbedding
 from engine.sampler import exponential_race_torch
 
@@ -77,31 +77,48 @@ def gate_up_input(tokens: int, inter: int, dtype: torch.dtype, device: str) -> t
     return 3 * torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
 
 
-def kv_inputs(
-    tokens: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k (a strided view into a merged kv tensor), v, a pool holding a sentinel, and a slot
-    mapping that scatters rows over the pool with every third row padding (-1)."""
-    num_blocks, block_size, heads, dim = 8, 16, 8, 128
-    kv = torch.randn(tokens, 2 * heads * dim, dtype=dtype, device=device)
-    k = kv[:, : heads * dim].view(tokens, heads, dim)
-    v = kv[:, heads * dim :].reshape(tokens, heads, dim).contiguous()
+def kv_pool(
+    tokens: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool holding a sentinel (7.0) with room for twice the rows, and a slot mapping that
+    scatters the rows over it with every third row padding (-1)."""
+    block_size = 16
+    num_blocks = max(8, 2 * -(-tokens // block_size))
     cache = torch.full(
-        (num_blocks, 2, block_size, heads, dim), 7.0, dtype=cache_dtype, device=device
+        (num_blocks, 2, block_size, num_kv_heads, head_dim), 7.0, dtype=cache_dtype, device=device
     )
     slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
     slots[::3] = -1
-    return k, v, cache, slots
+    return cache, slots
+
+
+def kv_inputs(
+    tokens: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k (a strided view into a merged kv tensor), v, and kv_pool's pool and slot mapping."""
+    heads, dim = 8, 128
+    kv = torch.randn(tokens, 2 * heads * dim, dtype=dtype, device=device)
+    k = kv[:, : heads * dim].view(tokens, heads, dim)
+    v = kv[:, heads * dim :].reshape(tokens, heads, dim).contiguous()
+    return k, v, *kv_pool(tokens, heads, dim, cache_dtype, device)
 
 
 # (q heads, kv heads, head dim): Qwen3-0.6B's GQA, and SmolLM2's head counts (no powers of two).
 ROTARY_SHAPES = [(16, 8, 128), (9, 3, 64)]
+# (q dtype, pool dtype) pairs the fused rotary + KV store is checked with.
+ROTARY_POOL_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.bfloat16),
+    (torch.float16, torch.float32),
+]
 
 
-def qk_inputs(
+def qkv_inputs(
     tokens: int, heads: tuple[int, int, int], dtype: torch.dtype, device: str, layout: str = "qkv"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, cos, sin as the model has them: q and k strided views into the merged qkv
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v, cos, sin as the model has them: q, k and v strided views into the merged qkv
     projection's output ("transposed": the CPU linear's layout), cos / sin of random positions."""
     num_heads, num_kv_heads, head_dim = heads
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -109,12 +126,15 @@ def qk_inputs(
         qkv = 3 * torch.randn(tokens, width, dtype=dtype, device=device)
     else:
         qkv = 3 * torch.randn(width, tokens, dtype=dtype, device=device).T
-    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
+    q = q.view(tokens, num_heads, head_dim)
     k = k.view(tokens, num_kv_heads, head_dim)
+    v = v.view(tokens, num_kv_heads, head_dim)
     rope = RotaryEmbedding(head_dim, 4096, 1e6, None).to(device)
     cos, sin = rope(torch.randint(4096, (tokens,), device=device))
-    return q, k, cos, sin
+    return q, k, v, cos, sin
 
 
 def race_inputs(
@@ -155,6 +175,25 @@ def rotary_tolerance(dtype: torch.dtype, target: str = "cuda") -> dict[str, floa
         return {"rtol": 1e-5, "atol": 1e-5}
     eps = torch.finfo(dtype).eps
     return {"rtol": tolerance(dtype, target)["rtol"], "atol": 16 * eps}
+
+
+def assert_pools_close(
+    got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, target: str = "cuda"
+) -> None:
+    """Pools written by the fused op from q/k/v of `dtype`: the same slots written (the
+    others keep the sentinel 7.0), V exactly, rotated K as close as rotary_tolerance allows
+    in the coarser of the rotation's and the pool's dtype (two values an fp16 ulp apart
+    can round to bf16 a bf16 ulp apart)."""
+    assert got.dtype == want.dtype
+    untouched = (got == 7.0).all(dim=(-2, -1))  # [blocks, 2, block_size]
+    assert torch.equal(untouched, (want == 7.0).all(dim=(-2, -1)))
+    if target == "interpreter" and got.dtype == torch.bfloat16 != dtype:
+        # The interpreter rounds to bf16 toward zero (see tolerance): V one ulp off.
+        torch.testing.assert_close(got[:, 1], want[:, 1], **tolerance(got.dtype, target))
+    else:
+        assert torch.equal(got[:, 1], want[:, 1])
+    coarser = max(dtype, got.dtype, key=lambda d: torch.finfo(d).eps)
+    torch.testing.assert_close(got[:, 0], want[:, 0], **rotary_tolerance(coarser, target))
 
 
 def store_kv_rows(
@@ -215,36 +254,68 @@ def test_silu_and_mul_matches_float64(dtype: torch.dtype) -> None:
         (torch.float32, torch.float16),
     ],
 )
-def test_store_kv_equals_row_by_row_and_skips_padding(
+def test_store_kv_torch_equals_row_by_row_and_skips_padding(
     dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> None:
     k, v, cache, slots = kv_inputs(10, dtype, cache_dtype, "cpu")
     expected = cache.clone()
     store_kv_rows(k, v, expected, slots)
-    store_kv(k, v, cache, slots)
+    store_kv_torch(k, v, cache, slots)
     assert torch.equal(cache, expected)
-    assert (cache == 7.0).all(dim=(1, 3, 4)).sum() == cache.shape[0] * cache.shape[
-        2
-    ] - 6  # 6 rows written
+    written = cache.shape[0] * cache.shape[2] - (cache == 7.0).all(dim=(1, 3, 4)).sum()
+    assert written == 6  # rows 1, 2, 4, 5, 7, 8; 0, 3, 6 and 9 are padding
+
+
+def test_store_kv_torch_keeps_the_pool_finite() -> None:
+    """The torch backend masks stale slots instead of clearing them (engine/kernels/kv_cache.py)."""
+    k, v, cache, slots = kv_inputs(4, torch.float32, torch.float32, "cpu")
+    k[1], v[2] = float("inf"), float("nan")
+    store_kv_torch(k, v, cache, slots)
+    assert torch.isfinite(cache).all()
 
 
 @pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("heads", ROTARY_SHAPES)
-def test_rotary_qk_equals_hugging_face(heads: tuple[int, int, int], normed: bool) -> None:
-    """float32, where Hugging Face rotates in float32 too (in bf16 it rotates in bf16)."""
-    q, k, cos, sin = qk_inputs(9, heads, torch.float32, "cpu", layout="transposed")
-    q_before, k_before = q.clone(), k.clone()
-    q_hf, k_hf = LlamaRMSNorm(heads[2], eps=EPS), LlamaRMSNorm(heads[2], eps=EPS)
-    q_hf.weight.data = norm_weight(heads[2], torch.float32, "cpu")
-    k_hf.weight.data = norm_weight(heads[2], torch.float32, "cpu")
+def test_rotary_and_store_kv_equals_hugging_face(heads: tuple[int, int, int], normed: bool) -> None:
+    """float32, where Hugging Face rotates in float32 too (in bf16 it rotates in bf16): q
+    comes back rotated, the rotated k and v land in the pool row by row, padding nowhere."""
+    num_heads, num_kv_heads, head_dim = heads
+    q, k, v, cos, sin = qkv_inputs(9, heads, torch.float32, "cpu", layout="transposed")
+    cache, slots = kv_pool(9, num_kv_heads, head_dim, torch.float32, "cpu")
+    q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
+    q_hf, k_hf = LlamaRMSNorm(head_dim, eps=EPS), LlamaRMSNorm(head_dim, eps=EPS)
+    q_hf.weight.data = norm_weight(head_dim, torch.float32, "cpu")
+    k_hf.weight.data = norm_weight(head_dim, torch.float32, "cpu")
     weights = (q_hf.weight.data, k_hf.weight.data) if normed else (None, None)
+    expected = cache.clone()
 
-    got_q, got_k = rotary_qk(q, k, cos, sin, *weights, EPS)
-    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # not in place
+    got_q = rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *weights, EPS)
+    assert all(torch.equal(a, b) for a, b in [(q, q_before), (k, k_before), (v, v_before)])
     if normed:
         q, k = q_hf(q), k_hf(k)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos.repeat(1, 2), sin.repeat(1, 2))
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    store_kv_rows(want_k, v, expected, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", ROTARY_POOL_DTYPES)
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("heads", ROTARY_SHAPES)
+def test_rotary_and_store_kv_equals_rotary_then_store(
+    heads: tuple[int, int, int], normed: bool, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """The CPU path in the model's dtypes: the same numbers as rotating, then storing the
+    rotated k (cast to the pool's dtype) and v row by row."""
+    q, k, v, cos, sin = qkv_inputs(10, heads, dtype, "cpu", layout="transposed")
+    cache, slots = kv_pool(10, heads[1], heads[2], cache_dtype, "cpu")
+    weights = [norm_weight(heads[2], dtype, "cpu") for _ in range(2)] if normed else []
+    expected = cache.clone()
+
+    got_q = rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *(weights or [None, None]), EPS)
+    want_q, want_k = rotary_qk_torch(q, k, cos, sin, *(weights or [None, None]), EPS)
+    store_kv_rows(want_k.to(cache_dtype), v.to(cache_dtype), expected, slots)
+    assert got_q.dtype == dtype and torch.equal(got_q, want_q)
+    assert torch.equal(cache, expected)
 
 
 # --- the Triton kernels against the torch paths ---------------------------------------
@@ -301,46 +372,32 @@ def test_triton_silu_and_mul(target: str, inter: int, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("target", TRITON_TARGETS)
-@pytest.mark.parametrize(
-    "dtype, cache_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.float16),
-    ],
-)
-def test_triton_store_kv(target: str, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-    from engine.kernels import triton_kernels
-
-    device = "cuda" if target == "cuda" else "cpu"
-    for tokens in [1, 5, 100]:
-        k, v, cache, slots = kv_inputs(tokens, dtype, cache_dtype, device)
-        expected = cache.clone()
-        store_kv_torch(k, v, expected, slots)
-        triton_kernels.store_kv(k, v, cache, slots)
-        assert torch.equal(cache, expected)
-
-
-@pytest.mark.parametrize("target", TRITON_TARGETS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, cache_dtype", ROTARY_POOL_DTYPES)
 @pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("heads", ROTARY_SHAPES)
-def test_triton_rotary_qk(
-    target: str, heads: tuple[int, int, int], normed: bool, dtype: torch.dtype
+def test_triton_rotary_and_store_kv(
+    target: str,
+    heads: tuple[int, int, int],
+    normed: bool,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
 ) -> None:
     from engine.kernels import triton_kernels
 
     device = "cuda" if target == "cuda" else "cpu"
     cases = [(tokens, "qkv") for tokens in TOKEN_COUNTS[target]] + [(5, "transposed")]
     for tokens, layout in cases:
-        q, k, cos, sin = qk_inputs(tokens, heads, dtype, device, layout)
+        q, k, v, cos, sin = qkv_inputs(tokens, heads, dtype, device, layout)
+        cache, slots = kv_pool(tokens, heads[1], heads[2], cache_dtype, device)
         weights = [norm_weight(heads[2], dtype, device) for _ in range(2)] if normed else []
-        got = triton_kernels.rotary_qk(q, k, cos, sin, *(weights or [None, None]), EPS)
-        want = rotary_qk_torch(q, k, cos, sin, *(weights or [None, None]), EPS)
-        for got_x, want_x in zip(got, want, strict=True):
-            assert got_x.shape == want_x.shape and got_x.dtype == want_x.dtype == dtype
-            assert got_x.is_contiguous()
-            torch.testing.assert_close(got_x, want_x, **rotary_tolerance(dtype, target))
+        norm = (*(weights or [None, None]), EPS)
+        expected = cache.clone()
+        want = rotary_and_store_kv_torch(q, k, v, cos, sin, expected, slots, *norm)
+        got = triton_kernels.rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *norm)
+        assert got.shape == want.shape and got.dtype == want.dtype == dtype
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, **rotary_tolerance(dtype, target))
+        assert_pools_close(cache, expected, dtype, target)
 
 
 @pytest.mark.parametrize("target", TRITON_TARGETS)
@@ -369,25 +426,25 @@ def test_triton_exponential_race_picks_what_the_torch_race_picks(
 @pytest.mark.skipif(not (HAS_CUDA and triton_importable()), reason="needs CUDA")
 def test_the_ops_capture_in_a_cuda_graph() -> None:
     """A decode step's worth of the ops, captured once and replayed on new inputs; padding
-    rows (slot -1) write nothing. The torch store_kv syncs with the host and cannot be
+    rows (slot -1) write nothing. The torch KV store syncs with the host and cannot be
     captured, so this also shows that CUDA tensors take the Triton path."""
     from engine.sampler import exponential_race
 
     tokens, dtype = 8, torch.bfloat16
+    num_heads, num_kv_heads, head_dim = ROTARY_SHAPES[0]
     x, residual = (norm_input("hidden", tokens, dtype, "cuda") for _ in range(2))
     weight = norm_weight(1024, dtype, "cuda")
     gate_up = gate_up_input(tokens, 3072, dtype, "cuda")
-    k, v, cache, slots = kv_inputs(tokens, dtype, dtype, "cuda")
-    q_rope, k_rope, cos, sin = qk_inputs(tokens, ROTARY_SHAPES[0], dtype, "cuda")
-    head_weights = [norm_weight(ROTARY_SHAPES[0][2], dtype, "cuda") for _ in range(2)]
+    q, k, v, cos, sin = qkv_inputs(tokens, ROTARY_SHAPES[0], dtype, "cuda")
+    cache, slots = kv_pool(tokens, num_kv_heads, head_dim, dtype, "cuda")
+    head_weights = [norm_weight(head_dim, dtype, "cuda") for _ in range(2)]
     race = race_inputs(tokens, 151936, dtype, "cuda")
 
     def step() -> tuple[torch.Tensor, ...]:
-        store_kv(k, v, cache, slots)
         return (
             *fused_add_rms_norm(x, residual, weight, EPS),
             silu_and_mul(gate_up),
-            *rotary_qk(q_rope, k_rope, cos, sin, *head_weights, EPS),
+            rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *head_weights, EPS),
             exponential_race(*race),
         )
 
@@ -400,26 +457,26 @@ def test_the_ops_capture_in_a_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         outputs = step()
 
-    for tensor in (x, residual, gate_up, k, v, q_rope, k_rope, race[0]):
+    for tensor in (x, residual, gate_up, q, k, v, race[0]):  # q, k, v: views of one qkv
         tensor.copy_(torch.randn_like(tensor))
     race[3].copy_(torch.randint_like(race[3], 2**40))  # new seeds
     slots.copy_(torch.randperm(cache.shape[0] * cache.shape[2], device="cuda")[:tokens])
     slots[1::2] = -1
     cache.fill_(7.0)
     expected_cache = cache.clone()
-    store_kv_torch(k, v, expected_cache, slots)
+    expected_q = rotary_and_store_kv_torch(
+        q, k, v, cos, sin, expected_cache, slots, *head_weights, EPS
+    )
     graph.replay()
     torch.cuda.synchronize()
 
-    assert torch.equal(cache, expected_cache)
-    out, new_residual, act, q_out, k_out, token_ids = outputs
+    assert_pools_close(cache, expected_cache, dtype)
+    out, new_residual, act, q_out, token_ids = outputs
     expected, expected_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)
     assert torch.equal(new_residual, expected_residual)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
     torch.testing.assert_close(act, silu_and_mul_torch(gate_up), **tolerance(dtype))
-    expected_q, expected_k = rotary_qk_torch(q_rope, k_rope, cos, sin, *head_weights, EPS)
     torch.testing.assert_close(q_out, expected_q, **rotary_tolerance(dtype))
-    torch.testing.assert_close(k_out, expected_k, **rotary_tolerance(dtype))
     assert torch.equal(token_ids, exponential_race_torch(*race))
 
 

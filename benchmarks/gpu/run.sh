@@ -7,7 +7,7 @@
 #
 # Steps (arguments, in any order): tests, kernels, attention, bench, bench-hf (adds transformers),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
-# profile, cprofile, profile-kernels. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
+# profile, cprofile, profile-kernels, profile-batch1. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
 # and unpack the ficache.tar.gz that comes back into .ficache/ for the next call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,6 +46,7 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
     profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt" ;;
     cprofile) python3 benchmarks/gpu_profile.py --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-kernels) python3 benchmarks/gpu_profile.py --kernels 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile-batch1) python3 benchmarks/gpu_profile.py --kernels --rows 1 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -12,8 +12,11 @@ Token t of sequence i lives in block block_tables[i][t // block_size] at offset
 t % block_size. slot_mapping[row] = block_id * block_size + offset is where a new row's
 K/V are written; a slot of -1 means "write nowhere" (padding rows).
 
-A step calls the backend's plan(meta) once, before the model runs, then forward() once
-per layer with the same meta: per-step host work (page tables, masks) belongs in plan.
+The model writes the new rows' K/V into the pool itself, in the same op that rotates q and
+k (engine/kernels/rotary.py's rotary_and_store_kv), so a backend reads K and V only from
+the pool. A step calls the backend's plan(meta) once, before the model runs, then
+forward() once per layer with the same meta, after that layer's K/V are written:
+per-step host work (page tables, masks) belongs in plan.
 """
 
 from __future__ import annotations
@@ -56,11 +59,9 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # this layer's [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
-        """Write k/v into kv_cache at meta.slot_mapping, then attend causally."""
+        """Attend causally over kv_cache, which already holds this step's new rows."""
         ...

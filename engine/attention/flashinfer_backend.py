@@ -5,8 +5,9 @@ puts decodes (one new token) first in the flat batch, then prefills and prefill 
 The leading run of one-token sequences goes to flashinfer's batch decode kernel; the rest
 to its batch prefill kernel over the paged KV with causal=True, which serves a whole
 prompt, a chunk of one and a prompt behind a prefix-cache hit alike: the new rows' K/V
-are written to the pool first, then query row j of a sequence with q_len new tokens
-attends to keys [0, seq_len - q_len + j] (flashinfer aligns the causal mask bottom-right).
+are already in the pool (the model stores them as it rotates k), and query row j of a
+sequence with q_len new tokens attends to keys [0, seq_len - q_len + j] (flashinfer
+aligns the causal mask bottom-right).
 
 plan() runs once per step on the host: it turns the block tables into flashinfer's CSR
 page tables (page_table below: indptr / indices / last_page_len) and plans both wrappers;
@@ -29,7 +30,6 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.kernels.kv_cache import store_kv
 
 # flashinfer's float workspace holds split-KV partial results; 128 MiB is its recommendation.
 WORKSPACE_BYTES = 128 * 2**20
@@ -249,14 +249,11 @@ class FlashInferAttention:
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
-        store_kv(k, v, kv_cache, meta.slot_mapping)
         rows = self._num_decode_rows
         if rows == q.shape[0]:
             return self._decode.run(q, kv_cache)

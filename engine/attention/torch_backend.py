@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the CPU backend and the reference for the others.
 
-Layout and causal rule: engine/attention/base.py. One step may mix sequences that
-decode (one new token) with sequences that prefill a prompt or a chunk of it:
+Layout and causal rule: engine/attention/base.py; the new rows' K/V are already in the
+pool (engine/kernels/kv_cache.py's store_kv_torch wrote them). One step may mix sequences
+that decode (one new token) with sequences that prefill a prompt or a chunk of it:
 
 - decodes are batched: their K and V are gathered with one indexed read each into padded
   [B, max_len, H, D] tensors and attended in one SDPA call under a key-padding mask;
@@ -40,9 +41,6 @@ class DecodeGroup:
 class StepPlan:
     """What every layer of one step shares: computed on the first layer, reused by the rest."""
 
-    write_blocks: torch.Tensor  # where each new row's k/v go: block id and offset
-    write_offsets: torch.Tensor
-    write_rows: torch.Tensor | None  # rows to write when some are padding (slot -1), else None
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int]]  # (sequence, first row, end row)
 
@@ -58,8 +56,6 @@ class TorchPagedAttention:
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
@@ -67,7 +63,6 @@ class TorchPagedAttention:
         if self._planned_for is not meta:  # a caller that drives the model without plan()
             self.plan(meta)
         plan = self._plan
-        write_kv_cache(k, v, kv_cache, plan)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
         for group in plan.decode_groups:
             out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
@@ -87,7 +82,7 @@ class TorchPagedAttention:
         num_kv_heads = keys.shape[2]
         heads_per_kv = num_q_heads // num_kv_heads
         # Past its own length a row holds stale KV of other sequences; the mask hides it.
-        # That is safe because the pool only ever holds finite values (write_kv_cache).
+        # That is safe because the pool only ever holds finite values (store_kv_torch).
         out = F.scaled_dot_product_attention(
             q.float().reshape(batch, num_kv_heads, heads_per_kv, head_dim),
             keys.float().transpose(1, 2),  # [G, Hkv, L, D]
@@ -139,12 +134,6 @@ class TorchPagedAttention:
 def plan_step(meta: AttentionMetadata) -> StepPlan:
     assert meta.block_tables is not None, "the torch backend reads the device block tables"
     device = meta.slot_mapping.device
-    slots = meta.slot_mapping
-    keep = slots >= 0
-    write_rows = None
-    if not bool(keep.all()):
-        write_rows = keep.nonzero().flatten()
-        slots = slots[write_rows]
     starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
 
     # Decodes attend in groups of similar length, each padded only to its own longest
@@ -172,28 +161,7 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
     prefills = [
         (i, starts[i], starts[i + 1]) for i, q_len in enumerate(meta.query_lens_cpu) if q_len > 1
     ]
-    return StepPlan(
-        write_blocks=slots // meta.block_size,
-        write_offsets=slots % meta.block_size,
-        write_rows=write_rows,
-        decode_groups=groups,
-        prefills=prefills,
-    )
-
-
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan
-) -> None:
-    """Store each row's k/v at its slot; rows with slot -1 are padding and go nowhere.
-
-    Non-finite values are clamped on the way in, so the pool only ever holds finite
-    numbers: masked-out stale slots then contribute exactly 0 to other sequences'
-    attention (a stale nan or inf would turn 0 * x into nan).
-    """
-    if plan.write_rows is not None:
-        k, v = k[plan.write_rows], v[plan.write_rows]
-    kv_cache[plan.write_blocks, 0, plan.write_offsets] = torch.nan_to_num(k).to(kv_cache.dtype)
-    kv_cache[plan.write_blocks, 1, plan.write_offsets] = torch.nan_to_num(v).to(kv_cache.dtype)
+    return StepPlan(decode_groups=groups, prefills=prefills)
 
 
 def gather_blocks(

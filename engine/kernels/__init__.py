@@ -8,8 +8,7 @@ this package imports on machines without CUDA or triton.
 """
 
 from engine.kernels.activation import silu_and_mul
-from engine.kernels.kv_cache import store_kv
 from engine.kernels.norm import fused_add_rms_norm, rms_norm
-from engine.kernels.rotary import rotary_qk
+from engine.kernels.rotary import rotary_and_store_kv
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_qk", "silu_and_mul", "store_kv"]
+__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_and_store_kv", "silu_and_mul"]

@@ -1,11 +1,12 @@
 """The Triton kernels behind engine/kernels' ops, and their launchers.
 
 Imported only on the Triton path (it needs triton). Each launcher takes the same
-arguments as its op and returns fresh contiguous outputs; inputs may be strided views
-(a q slice of the merged qkv projection, the gate-up output) as long as their last dim
-is contiguous. Launchers never read tensor values on the host, so every kernel can be
-captured in a CUDA graph. Token counts are not specialized on (do_not_specialize), so a
-new batch size does not compile a new kernel variant.
+arguments as its op and returns fresh contiguous outputs (rotary_and_store_kv also writes
+into the KV pool it is given); inputs may be strided views (a q slice of the merged qkv
+projection, the gate-up output) as long as their last dim is contiguous. Launchers never
+read tensor values on the host, so every kernel can be captured in a CUDA graph. Token
+counts are not specialized on (do_not_specialize), so a new batch size does not compile a
+new kernel variant.
 
 TRITON_INTERPRET=1 runs these kernels on CPU tensors (tests/test_kernels.py does).
 """
@@ -152,109 +153,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    k_stride_token,
-    k_stride_head,
-    v_ptr,
-    v_stride_token,
-    v_stride_head,
-    cache_ptr,
-    cache_stride_block,
-    cache_stride_kv,
-    cache_stride_slot,
-    cache_stride_head,
-    slot_ptr,
-    block_size,
-    num_heads,
-    head_dim,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-):
-    # One program per token row: all its heads' K and V, or nothing for slot -1.
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_HEADS)
-    dims = tl.arange(0, BLOCK_DIM)
-    # slot broadcast to a tensor first: a scalar bool in a mask trips Triton 3.9's interpreter
-    writes = (tl.zeros([BLOCK_HEADS], tl.int64) + slot >= 0) & (heads < num_heads)
-    mask = writes[:, None] & (dims < head_dim)[None, :]
-    block = slot // block_size
-    offset = slot % block_size
-    k = tl.load(
-        k_ptr + token * k_stride_token + heads[:, None] * k_stride_head + dims[None, :], mask=mask
-    )
-    v = tl.load(
-        v_ptr + token * v_stride_token + heads[:, None] * v_stride_head + dims[None, :], mask=mask
-    )
-    cache_k = (
-        cache_ptr
-        + block * cache_stride_block
-        + offset * cache_stride_slot
-        + heads[:, None] * cache_stride_head
-        + dims[None, :]
-    )
-    tl.store(cache_k, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(cache_k + cache_stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    num_tokens, num_heads, head_dim = k.shape
-    assert kv_cache.stride(-1) == 1, "the KV pool's head dim must be contiguous"
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    block_heads = triton.next_power_of_2(num_heads)
-    block_dim = triton.next_power_of_2(head_dim)
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        k.stride(0),
-        k.stride(1),
-        v,
-        v.stride(0),
-        v.stride(1),
-        kv_cache,
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        slot_mapping,
-        kv_cache.shape[2],
-        num_heads,
-        head_dim,
-        BLOCK_HEADS=block_heads,
-        BLOCK_DIM=block_dim,
-        num_warps=_num_warps(block_heads * block_dim),
-    )
-
-
-@triton.jit
-def _norm_and_rotate_heads(
-    x_ptr,
-    x_stride_token,
-    x_stride_head,
+def _norm_and_rotate(
+    x1,
+    x2,
     weight_ptr,
-    out_ptr,
-    token,
+    cols,
+    col_mask,
     cos,
     sin,
-    num_heads,
     half,
     eps,
+    dtype: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
 ):
-    # All heads of one token as two [heads, D/2] tiles, the halves the rotation pairs up.
-    heads = tl.arange(0, BLOCK_HEADS)
-    cols = tl.arange(0, BLOCK_HALF)
-    col_mask = cols < half
-    mask = (heads < num_heads)[:, None] & col_mask[None, :]
-    first = x_ptr + token * x_stride_token + heads[:, None] * x_stride_head + cols[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + half, mask=mask, other=0.0)
-    out_dtype = out_ptr.dtype.element_ty
+    # x1, x2: one token's heads as two [heads, D/2] tiles, the halves the rotation pairs up.
+    # Returns them normed (HAS_NORM) and rotated, rounded to dtype (the norm's result dtype).
     x1_32 = x1.to(tl.float32)
     x2_32 = x2.to(tl.float32)
     if HAS_NORM:
@@ -263,31 +176,38 @@ def _norm_and_rotate_heads(
         w1 = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(weight_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         # Rounded as rms_norm rounds: the normed value to the input's dtype, its product with
-        # the weight to the output's; the rotation then starts from that rounded value.
-        x1_32 = (w1 * (x1_32 * inv_rms).to(x1.dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-        x2_32 = (w2 * (x2_32 * inv_rms).to(x2.dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        # the weight to the result's; the rotation then starts from that rounded value.
+        x1_32 = (w1 * (x1_32 * inv_rms).to(x1.dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2_32 = (w2 * (x2_32 * inv_rms).to(x2.dtype).to(tl.float32)).to(dtype).to(tl.float32)
     rotated1 = x1_32 * cos[None, :] - x2_32 * sin[None, :]
     rotated2 = x2_32 * cos[None, :] + x1_32 * sin[None, :]
-    out = out_ptr + (token * num_heads + heads[:, None]) * (2 * half) + cols[None, :]
-    tl.store(out, rotated1.to(out_dtype), mask=mask)
-    tl.store(out + half, rotated2.to(out_dtype), mask=mask)
+    return rotated1.to(dtype), rotated2.to(dtype)
 
 
 @triton.jit
-def _rotary_qk_kernel(
+def _rotary_and_store_kv_kernel(
     q_ptr,
     q_stride_token,
     q_stride_head,
     k_ptr,
     k_stride_token,
     k_stride_head,
+    v_ptr,
+    v_stride_token,
+    v_stride_head,
     cos_ptr,
     sin_ptr,
     cos_stride,
     q_weight_ptr,
     k_weight_ptr,
     q_out_ptr,
-    k_out_ptr,
+    cache_ptr,
+    cache_stride_block,
+    cache_stride_kv,
+    cache_stride_slot,
+    cache_stride_head,
+    slot_ptr,
+    block_size,
     num_q_heads,
     num_kv_heads,
     half,
@@ -297,85 +217,127 @@ def _rotary_qk_kernel(
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    # One program per token: its cos / sin row is read once for all its q and k heads.
+    # One program per token: its cos / sin row is read once for all its q and k heads; its
+    # rotated q goes to q_out, its rotated k and its v to its slot of the pool (or nowhere:
+    # slot -1). Heads are tiled as halves [heads, D/2], v included.
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_ptr + token * cos_stride + cols, mask=cols < half, other=0.0)
-    sin = tl.load(sin_ptr + token * cos_stride + cols, mask=cols < half, other=0.0)
-    _norm_and_rotate_heads(
-        q_ptr,
-        q_stride_token,
-        q_stride_head,
+    col_mask = cols < half
+    cos = tl.load(cos_ptr + token * cos_stride + cols, mask=col_mask, other=0.0)
+    sin = tl.load(sin_ptr + token * cos_stride + cols, mask=col_mask, other=0.0)
+    dtype = q_out_ptr.dtype.element_ty  # q and k round alike (the launcher checks)
+
+    q_heads = tl.arange(0, BLOCK_Q_HEADS)
+    q_mask = (q_heads < num_q_heads)[:, None] & col_mask[None, :]
+    q_in = q_ptr + token * q_stride_token + q_heads[:, None] * q_stride_head + cols[None, :]
+    q1, q2 = _norm_and_rotate(
+        tl.load(q_in, mask=q_mask, other=0.0),
+        tl.load(q_in + half, mask=q_mask, other=0.0),
         q_weight_ptr,
-        q_out_ptr,
-        token,
+        cols,
+        col_mask,
         cos,
         sin,
-        num_q_heads,
         half,
         eps,
+        dtype,
         HAS_NORM,
-        BLOCK_Q_HEADS,
-        BLOCK_HALF,
     )
-    _norm_and_rotate_heads(
-        k_ptr,
-        k_stride_token,
-        k_stride_head,
+    q_out = q_out_ptr + (token * num_q_heads + q_heads[:, None]) * (2 * half) + cols[None, :]
+    tl.store(q_out, q1, mask=q_mask)
+    tl.store(q_out + half, q2, mask=q_mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    kv_heads = tl.arange(0, BLOCK_KV_HEADS)
+    # slot broadcast to a tensor first: a scalar bool in a mask trips Triton 3.9's interpreter
+    writes = (tl.zeros([BLOCK_KV_HEADS], tl.int64) + slot >= 0) & (kv_heads < num_kv_heads)
+    kv_mask = writes[:, None] & col_mask[None, :]
+    k_in = k_ptr + token * k_stride_token + kv_heads[:, None] * k_stride_head + cols[None, :]
+    v_in = v_ptr + token * v_stride_token + kv_heads[:, None] * v_stride_head + cols[None, :]
+    k1, k2 = _norm_and_rotate(
+        tl.load(k_in, mask=kv_mask, other=0.0),
+        tl.load(k_in + half, mask=kv_mask, other=0.0),
         k_weight_ptr,
-        k_out_ptr,
-        token,
+        cols,
+        col_mask,
         cos,
         sin,
-        num_kv_heads,
         half,
         eps,
+        dtype,
         HAS_NORM,
-        BLOCK_KV_HEADS,
-        BLOCK_HALF,
     )
+    cache_dtype = cache_ptr.dtype.element_ty
+    cache_k = (
+        cache_ptr
+        + (slot // block_size) * cache_stride_block
+        + (slot % block_size) * cache_stride_slot
+        + kv_heads[:, None] * cache_stride_head
+        + cols[None, :]
+    )
+    cache_v = cache_k + cache_stride_kv
+    tl.store(cache_k, k1.to(cache_dtype), mask=kv_mask)
+    tl.store(cache_k + half, k2.to(cache_dtype), mask=kv_mask)
+    tl.store(cache_v, tl.load(v_in, mask=kv_mask).to(cache_dtype), mask=kv_mask)
+    tl.store(cache_v + half, tl.load(v_in + half, mask=kv_mask).to(cache_dtype), mask=kv_mask)
 
 
-def rotary_qk(
+def rotary_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    assert k.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.stride(0) == 1
+    assert kv_cache.shape[-2:] == (num_kv_heads, head_dim) and kv_cache.stride(-1) == 1
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
     assert cos.shape == sin.shape == (num_tokens, head_dim // 2) and cos.stride() == sin.stride()
     assert cos.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32
     has_norm = q_norm_weight is not None
-    q_dtype, k_dtype = q.dtype, k.dtype
+    # The kernel rounds k where it rounds q (then casts k to the pool's dtype).
+    assert k.dtype == q.dtype, "q and k come from one projection"
+    q_dtype = q.dtype
     if has_norm:  # rms_norm's result dtype
+        assert k_norm_weight.dtype == q_norm_weight.dtype, "q and k norm weights differ in dtype"
         q_dtype = torch.promote_types(q.dtype, q_norm_weight.dtype)
-        k_dtype = torch.promote_types(k.dtype, k_norm_weight.dtype)
     q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
     block_q_heads = triton.next_power_of_2(num_q_heads)
     block_half = triton.next_power_of_2(head_dim // 2)
     if num_tokens:
-        _rotary_qk_kernel[(num_tokens,)](
+        _rotary_and_store_kv_kernel[(num_tokens,)](
             q,
             q.stride(0),
             q.stride(1),
             k,
             k.stride(0),
             k.stride(1),
+            v,
+            v.stride(0),
+            v.stride(1),
             cos,
             sin,
             cos.stride(0),
             q_norm_weight,
             k_norm_weight,
             q_out,
-            k_out,
+            kv_cache,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            slot_mapping,
+            kv_cache.shape[2],
             num_q_heads,
             num_kv_heads,
             head_dim // 2,
@@ -386,7 +348,7 @@ def rotary_qk(
             BLOCK_HALF=block_half,
             num_warps=_num_warps(2 * block_q_heads * block_half),
         )
-    return q_out, k_out
+    return q_out
 
 
 # ---- sampling: the exponential race of engine/sampler.py, in one pass over the logits ----

@@ -1,9 +1,11 @@
 """One Llama-family decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
 Plain, device-agnostic torch over a flat varlen batch: every tensor is [T, ...] where T
-is the number of new tokens in the step, across all sequences. Attention goes through
-the backend, which owns the paged KV cache. Norms, rotary embedding and the activation
-come from engine/kernels: Triton kernels on CUDA, the same math in plain torch on the CPU.
+is the number of new tokens in the step, across all sequences. Each layer writes its new
+K/V into its paged KV pool in the same op that rotates q and k, then attends through the
+backend, which reads K/V from the pool. Norms, rotary embedding + KV write and the
+activation come from engine/kernels: Triton kernels on CUDA, the same math in plain torch
+on the CPU.
 
 The residual stream is carried beside the hidden states, vLLM-style: each layer returns
 its MLP output and the stream *without* adding them, and the next norm does the add and
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.kernels import fused_add_rms_norm, rms_norm, rotary_qk, silu_and_mul
+from engine.kernels import fused_add_rms_norm, rms_norm, rotary_and_store_kv, silu_and_mul
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding
 
@@ -74,7 +76,7 @@ class Attention(nn.Module):
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
-        if config.qk_norm:  # modules for their weights' names; rotary_qk applies them
+        if config.qk_norm:  # modules for their weights' names; rotary_and_store_kv applies them
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
@@ -93,13 +95,23 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # Rotated k and v go straight into the pool; only q comes back.
         if self.q_norm is None:
-            q, k = rotary_qk(q, k, cos, sin)
+            q = rotary_and_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
         else:  # Qwen3: per-head RMSNorm first, in the same op
-            q, k = rotary_qk(
-                q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            q = rotary_and_store_kv(
+                q,
+                k,
+                v,
+                cos,
+                sin,
+                kv_cache,
+                meta.slot_mapping,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
             )
-        out = self.backend.forward(q, k, v, kv_cache, meta, scale=self.scale)
+        out = self.backend.forward(q, kv_cache, meta, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
