@@ -17,7 +17,7 @@ from engine.attention.flashinfer_backend import page_table, split_step
 from engine.config import CacheConfig, EngineConfig
 from engine.cuda_graphs import DUMMY_BLOCK, MAX_GRAPH_BATCH, DecodeInputs, graph_batch_sizes
 from engine.errors import ValidationError
-from engine.kernels.kv_cache import store_kv
+from engine.kernels.kv_cache import store_kv_torch
 from tests.test_torch_attention import (
     HEADS,
     SCALE,
@@ -107,7 +107,7 @@ def test_split_step_describes_exactly_each_sequences_kv(
         meta.block_tables[i, : math.ceil(n / block_size)].tolist()
         for i, n in enumerate(meta.seq_lens_cpu)
     ]
-    store_kv(batch.k, batch.v, batch.kv_cache, meta.slot_mapping)
+    store_kv_torch(batch.k, batch.v, batch.kv_cache, meta.slot_mapping)
     pages = split_step(meta.query_lens_cpu, meta.seq_lens_cpu, tables, block_size)
 
     num_decode_pages = int(pages.decode_indptr[-1])

@@ -22,15 +22,23 @@ from safetensors.torch import load_file, save_file
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
-from engine.kernels import rotary_qk
-from engine.kernels.rotary import rotary_qk_torch
+from engine.kernels import rotary_and_store_kv
+from engine.kernels.rotary import rotary_and_store_kv_torch
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner import kv_bytes_per_block, upload
 from engine.sampler import Sampler, SamplingTensors
 from engine.sampling_params import SamplingParams
-from tests.test_kernels import ROTARY_SHAPES, norm_weight, qk_inputs, rotary_tolerance
+from tests.test_kernels import (
+    ROTARY_POOL_DTYPES,
+    ROTARY_SHAPES,
+    assert_pools_close,
+    kv_pool,
+    norm_weight,
+    qkv_inputs,
+    rotary_tolerance,
+)
 from tests.tiny_models import write_tiny_model
 
 pytestmark = [
@@ -381,24 +389,29 @@ def test_n_candidates_fork_on_the_gpu(model_dir):
 # ---- the fused decode-step ops: their CUDA Triton paths against the torch references ------
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", ROTARY_POOL_DTYPES)
 @pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("heads", ROTARY_SHAPES)
-def test_rotary_qk_on_cuda_equals_the_torch_path(heads, normed):
-    dtype = torch.bfloat16
+def test_rotary_and_store_kv_on_cuda_equals_the_torch_path(heads, normed, dtype, cache_dtype):
+    """The op the model calls: q back, k and v in the pool (padding rows nowhere)."""
     for tokens in (1, 7, 300):
-        q, k, cos, sin = qk_inputs(tokens, heads, dtype, "cuda")  # views into a qkv output
+        q, k, v, cos, sin = qkv_inputs(tokens, heads, dtype, "cuda")  # views into a qkv output
+        cache, slots = kv_pool(tokens, heads[1], heads[2], cache_dtype, "cuda")
         weights = [norm_weight(heads[2], dtype, "cuda") for _ in range(2)] if normed else []
-        got = rotary_qk(q, k, cos, sin, *(weights or [None, None]), 1e-6)
-        want = rotary_qk_torch(q, k, cos, sin, *(weights or [None, None]), 1e-6)
-        for got_x, want_x in zip(got, want, strict=True):
-            assert got_x.dtype == dtype and got_x.is_contiguous()
-            torch.testing.assert_close(got_x, want_x, **rotary_tolerance(dtype))
+        norm = (*(weights or [None, None]), 1e-6)
+        expected = cache.clone()
+        got = rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *norm)
+        want = rotary_and_store_kv_torch(q, k, v, cos, sin, expected, slots, *norm)
+        assert got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got, want, **rotary_tolerance(dtype))
+        assert_pools_close(cache, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sampler_fast_path_on_cuda_is_one_kernel_drawing_the_cpu_tokens(dtype):
-    """No penalty, ban, filter or logprobs: greedy and tempered rows in one Triton launch,
-    no host sync, the same tokens as the CPU's torch path."""
+def test_sampler_fast_path_on_cuda_is_the_race_alone_drawing_the_cpu_tokens(dtype):
+    """No penalty, ban, filter or logprobs: greedy and tempered rows in one Triton race (its
+    split pass over the logits and the reduction of the splits), no host sync, the same
+    tokens as the CPU's torch path."""
     generator = torch.Generator().manual_seed(10)
     rows, vocab = 256, 151936
     logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
@@ -425,10 +438,45 @@ def test_sampler_fast_path_on_cuda_is_one_kernel_drawing_the_cpu_tokens(dtype):
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1 and "exponential_race" in kernels[0], kernels
+    assert len(kernels) == 2 and all("exponential_race" in name for name in kernels), kernels
     assert got.logprobs is None and want.logprobs is None
     assert torch.equal(got.token_ids.cpu(), want.token_ids)
     assert got.token_ids[1] == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_skinny_linear_on_cuda_matches_f_linear_on_qwen3_shapes(dtype):
+    """Qwen3-0.6B's four projections (qkv with a bias, as Qwen2's has) and its LM head at
+    decode batch sizes: the Triton kernel within one rounding of the float64 product and
+    within bf16/fp16 tolerance of F.linear (cuBLAS), and linear() taking it exactly up to
+    SKINNY_MAX_ROWS rows, F.linear beyond."""
+    import torch.nn.functional as F
+
+    from engine.kernels.triton_linear import skinny_linear
+    from engine.model.llama import SKINNY_MAX_ROWS, linear
+
+    shapes = {  # name: (N, K)
+        "qkv": (4096, 1024),
+        "o_proj": (1024, 2048),
+        "gate_up": (6144, 1024),
+        "down": (1024, 3072),
+        "lm_head": (151936, 1024),
+    }
+    eps = torch.finfo(dtype).eps
+    for name, (n, k) in shapes.items():
+        weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)  # unit outputs
+        bias = torch.randn(n, device="cuda").to(dtype) if name == "qkv" else None
+        for rows in (1, 2, 3, 4, 8, 16):
+            x = torch.randn(rows, k, device="cuda").to(dtype)
+            got = skinny_linear(x, weight, bias)
+            assert got.shape == (rows, n) and got.dtype == dtype
+            exact = x.double() @ weight.double().T
+            if bias is not None:
+                exact += bias.double()
+            torch.testing.assert_close(got.double(), exact, rtol=eps, atol=1e-3, msg=name)
+            cublas = F.linear(x, weight, bias)
+            torch.testing.assert_close(got, cublas, rtol=4 * eps, atol=2e-2, msg=name)
+            assert torch.equal(linear(x, weight, bias), got if rows <= SKINNY_MAX_ROWS else cublas)
 
 
 def test_one_upload_keeps_values_and_16_byte_alignment():

@@ -266,14 +266,6 @@ def test_store_kv_torch_equals_row_by_row_and_skips_padding(
     assert written == 6  # rows 1, 2, 4, 5, 7, 8; 0, 3, 6 and 9 are padding
 
 
-def test_store_kv_torch_keeps_the_pool_finite() -> None:
-    """The torch backend masks stale slots instead of clearing them (engine/kernels/kv_cache.py)."""
-    k, v, cache, slots = kv_inputs(4, torch.float32, torch.float32, "cpu")
-    k[1], v[2] = float("inf"), float("nan")
-    store_kv_torch(k, v, cache, slots)
-    assert torch.isfinite(cache).all()
-
-
 @pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("heads", ROTARY_SHAPES)
 def test_rotary_and_store_kv_equals_hugging_face(heads: tuple[int, int, int], normed: bool) -> None:
@@ -420,6 +412,77 @@ def test_triton_exponential_race_picks_what_the_torch_race_picks(
             assert got.dtype == torch.int64 and torch.equal(got, want)
             assert got[0] < 100 and got[1] == 7 and got[5] == 0
             assert torch.equal(got[1::2], logits[1::2].argmax(dim=-1))
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
+def test_the_race_splits_a_row_over_the_gpu_at_small_batch_only() -> None:
+    """The split count: ~4 programs per SM of an H200 in all, from shapes alone; one block a
+    program at most, no empty split, and no split at all once the rows fill the GPU."""
+    import triton
+
+    from engine.kernels.triton_kernels import race_blocks_per_split
+
+    def num_splits(rows: int, vocab: int) -> tuple[int, int]:
+        blocks_per_split = race_blocks_per_split(rows, vocab, 132, 2048)
+        return triton.cdiv(triton.cdiv(vocab, 2048), blocks_per_split), blocks_per_split
+
+    qwen3 = [num_splits(rows, 151936)[0] for rows in (1, 8, 64, 256, 528, 4096)]
+    assert qwen3 == [75, 38, 8, 2, 1, 1]
+    for rows in (1, 2, 3, 7, 100, 1000):
+        for vocab in (1, 100, 2049, 151936, 262144, 10**6):
+            splits, blocks_per_split = num_splits(rows, vocab)
+            assert 1 <= splits <= 128
+            assert (splits - 1) * blocks_per_split * 2048 < vocab  # the last split is not empty
+            assert rows * splits <= max(rows, 4 * 132)
+
+
+def tie_across(logits: torch.Tensor, row: int, columns: list[int]) -> int:
+    """Ties row's maximum at columns (clamped to the vocab); returns the first of them."""
+    columns = [min(c, logits.shape[1] - 1) for c in columns]
+    logits[row, columns] = logits[row].max() + 1
+    return min(columns)
+
+
+# (blocks of 64 columns per split, dtype): 600 columns in 10 splits, or in 4 (the last: 24).
+SPLIT_RACES = [(1, torch.float32), (3, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("blocks_per_split, dtype", SPLIT_RACES)
+def test_triton_exponential_race_reduces_split_rows_as_the_torch_race(
+    target: str, blocks_per_split: int, dtype: torch.dtype
+) -> None:
+    """Rows raced in several slices of their vocab (the last one shorter), then reduced: the
+    torch race's winners on sampled and greedy rows, in a batch of 12 rows and of 1, and
+    ties across split boundaries going to the first index."""
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    block, vocab = 64, 600
+    span = blocks_per_split * block  # one split's columns
+    logits, temperature, is_greedy, seeds, counters = race_inputs(12, vocab, torch.float32, device)
+    ties = {  # greedy rows: the last column of a split and the first of the next, ...
+        7: tie_across(logits, 7, [span - 1, span]),
+        9: tie_across(logits, 9, [2 * span, span, vocab - 1]),  # ... or of later splits only
+        11: tie_across(logits, 11, [vocab - 1, vocab - 2]),  # within the last split
+    }
+    logits = logits.to(dtype)
+    for scale in (temperature, None):
+        for rows in (slice(0, 12), slice(0, 1), slice(7, 8)):  # 1 row: sampled, greedy
+            race = (logits[rows], None if scale is None else scale[rows])
+            race += (is_greedy[rows], seeds[rows], counters[rows])
+            want = exponential_race_torch(*race)
+            got = triton_kernels.split_exponential_race(*race, blocks_per_split, block)
+            assert got.dtype == torch.int64 and torch.equal(got, want), (rows, got, want)
+            if rows.stop == 12:
+                assert all(got[row] == first for row, first in ties.items())
+                assert torch.equal(got[1::2], logits[1::2].argmax(dim=-1))
+    # The public launcher, one row of a vocab it splits in 5 (the last slice shorter).
+    race = race_inputs(6, 10000, dtype, device)
+    for row in (0, 1):  # sampled (filtered to its first 100 columns), greedy (tied)
+        one = tuple(tensor[row : row + 1] for tensor in race)
+        got = triton_kernels.exponential_race(*one)
+        assert torch.equal(got, exponential_race_torch(*one))
 
 
 @pytest.mark.gpu

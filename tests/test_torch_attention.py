@@ -1,5 +1,7 @@
 """TorchPagedAttention against dense attention computed from scratch (float64, explicit
-softmax) on contiguous K/V, for random mixes of decodes, prefills and prefill chunks."""
+softmax) on contiguous K/V, for random mixes of decodes, prefills and prefill chunks.
+Each step first stores its new K/V the way the CPU model does (store_kv_torch), then
+attends: the layer's CPU path, write included."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import DECODE_GROUP_SIZE, TorchPagedAttention
+from engine.kernels.kv_cache import store_kv_torch
 
 
 @dataclass
@@ -85,6 +88,12 @@ def make_batch(
     return Batch(q, new_k, new_v, kv_cache, meta, full_k, full_v)
 
 
+def store_and_attend(batch: Batch, scale: float) -> torch.Tensor:
+    """A layer's CPU path: the new rows' K/V into the pool, then the backend over the pool."""
+    store_kv_torch(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
+    return TorchPagedAttention().forward(batch.q, batch.kv_cache, batch.meta, scale)
+
+
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -131,9 +140,7 @@ SCALE = 0.25
 def test_random_mixed_batches_fp32(seed, block_size, num_q_heads, num_kv_heads):
     cases = random_cases(random.Random(seed))
     batch = make_batch(cases, num_q_heads, num_kv_heads, block_size, torch.float32, seed)
-    out = TorchPagedAttention().forward(
-        batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE
-    )
+    out = store_and_attend(batch, SCALE)
     assert out.shape == batch.q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected_output(batch, SCALE), rtol=1e-5, atol=1e-5)
 
@@ -143,9 +150,7 @@ def test_random_mixed_batches_fp32(seed, block_size, num_q_heads, num_kv_heads):
 def test_random_mixed_batches_bf16(seed, num_q_heads, num_kv_heads):
     cases = random_cases(random.Random(100 + seed))
     batch = make_batch(cases, num_q_heads, num_kv_heads, 16, torch.bfloat16, seed)
-    out = TorchPagedAttention().forward(
-        batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE
-    )
+    out = store_and_attend(batch, SCALE)
     assert out.dtype == torch.bfloat16
     # The reference sees the same bf16 inputs; what remains is the bf16 rounding of the output.
     torch.testing.assert_close(out.double(), expected_output(batch, SCALE), rtol=2e-2, atol=2e-2)
@@ -154,7 +159,7 @@ def test_random_mixed_batches_bf16(seed, num_q_heads, num_kv_heads):
 def test_new_rows_are_written_to_their_slots():
     cases = [SeqCase(cached=3, new=1), SeqCase(cached=0, new=20), SeqCase(cached=17, new=6)]
     batch = make_batch(cases, 4, 2, 16, torch.float32, seed=7)
-    TorchPagedAttention().forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE)
+    store_and_attend(batch, SCALE)
     blocks = batch.meta.slot_mapping // 16
     offsets = batch.meta.slot_mapping % 16
     assert torch.equal(batch.kv_cache[blocks, 0, offsets], batch.k)
@@ -168,9 +173,7 @@ def test_slot_minus_one_writes_nothing():
     real_slot = int(batch.meta.slot_mapping[0])
     batch.meta.slot_mapping[0] = -1
     before = batch.kv_cache.clone()
-    out = TorchPagedAttention().forward(
-        batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE
-    )
+    out = store_and_attend(batch, SCALE)
 
     written = batch.meta.slot_mapping[1:]
     changed = (batch.kv_cache != before).any(dim=(1, 3, 4)).flatten().nonzero().flatten()
@@ -191,9 +194,7 @@ def test_non_finite_kv_never_reaches_the_pool_or_batch_mates():
     clean = expected_output(batch, SCALE)
     batch.k[0] = float("inf")  # sequence 0's only new row
     batch.v[0] = float("nan")
-    out = TorchPagedAttention().forward(
-        batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE
-    )
+    out = store_and_attend(batch, SCALE)
     assert torch.isfinite(batch.kv_cache).all()
     # Sequences 1 and 2 (rows 1..) never see sequence 0's slots and stay exact.
     torch.testing.assert_close(out[1:].double(), clean[1:], rtol=1e-5, atol=1e-5)
@@ -221,9 +222,7 @@ def test_decodes_batch_in_groups_of_similar_length(monkeypatch):
         SeqCase(20, 1),
     ]
     batch = make_batch(cases, 4, 2, 16, torch.float32, seed=11)
-    out = TorchPagedAttention().forward(
-        batch.q, batch.k, batch.v, batch.kv_cache, batch.meta, SCALE
-    )
+    out = store_and_attend(batch, SCALE)
     assert DECODE_GROUP_SIZE == 4
     # Decode lengths sorted: 1, 4, 10, 21 | 41, 101. Then the two prefills (12 and 12 keys).
     assert calls[:2] == [(4, 21), (2, 101)]

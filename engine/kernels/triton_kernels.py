@@ -373,7 +373,18 @@ def _row_key(seed, counter):
     return _fmix32(key ^ counter.to(tl.uint32))
 
 
-@triton.jit(do_not_specialize=["vocab_size"])
+# The vocab of each row is split over several programs (stage 1), then a tiny kernel reduces
+# each row's splits (stage 2): one program per row would leave most SMs idle at small batch.
+_RACE_BLOCK = 2048
+# 4 programs of 8 warps per SM: one full wave at stage 1's ~64 registers a thread (sm_90),
+# enough loads in flight to stream the logits; once the rows alone fill it, no row is split.
+_RACE_PROGRAMS_PER_SM = 4
+_RACE_MAX_SPLITS = 128  # stage 2 reduces a row's splits in one block of this many lanes
+
+
+# vocab_size stays specialized (it is fixed per model): known divisible by 16, the tail mask
+# lets the loads be 16-byte vectors. blocks_per_split follows the batch size: not specialized.
+@triton.jit(do_not_specialize=["blocks_per_split"])
 def _exponential_race_kernel(
     logits_ptr,
     row_stride,
@@ -381,25 +392,33 @@ def _exponential_race_kernel(
     greedy_ptr,
     seeds_ptr,
     counters_ptr,
-    out_ptr,
+    split_best_ptr,
+    split_index_ptr,
     vocab_size,
+    blocks_per_split,
     HAS_TEMPERATURE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One program per row. A greedy row: argmax of its logits. A sampled row: argmax over v
-    # of logit_v / temperature - log(E_v), E_v = -log(u_v) with u_v the row key's Weyl-walk
-    # hash of v: the same choice as argmax(softmax(scaled) / E), since log softmax only
-    # subtracts the row's constant log-normaliser.
+    # Program (row, split) races the split's slice of the row, blocks_per_split * BLOCK
+    # columns (the last split's is shorter). A greedy row: the max of its logits. A sampled
+    # row: the max over v of logit_v / temperature - log(E_v), E_v = -log(u_v) with u_v the
+    # row key's Weyl-walk hash of v: the same choice as argmax(softmax(scaled) / E), since
+    # log softmax only subtracts the row's constant log-normaliser. It writes its best value
+    # and the first column reaching it to [rows, splits] buffers for stage 2.
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    # A multiple of BLOCK the compiler can see: the slices' loads stay aligned (vectorized).
+    start = split * blocks_per_split * BLOCK
+    end = tl.minimum(start + blocks_per_split * BLOCK, vocab_size)
     greedy = tl.load(greedy_ptr + row)
     key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
     if HAS_TEMPERATURE:
         temperature = tl.load(temperature_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab_size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab_size
+    best_index = start + tl.arange(0, BLOCK)  # each lane's first column, for a slice all -inf
+    for block_start in range(start, end, BLOCK):
+        cols = block_start + tl.arange(0, BLOCK)
+        mask = cols < end
         logits = tl.load(logits_ptr + row * row_stride + cols, mask=mask, other=float("-inf"))
         value = logits.to(tl.float32)
         if not greedy:
@@ -412,9 +431,45 @@ def _exponential_race_kernel(
         best = tl.where(better, value, best)
         best_index = tl.where(better, cols, best_index)
     top = tl.max(best, axis=0)
-    # The first index reaching the maximum, as torch.argmax picks.
+    # The first column reaching the split's maximum, as torch.argmax picks.
     first = tl.min(tl.where(best == top, best_index, vocab_size), axis=0)
+    slot = row * tl.num_programs(1) + split
+    tl.store(split_best_ptr + slot, top)
+    tl.store(split_index_ptr + slot, first)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _exponential_race_reduce_kernel(
+    split_best_ptr,
+    split_index_ptr,
+    out_ptr,
+    num_splits,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    # One program per row: the best of its splits. Among splits tied at the best, the
+    # smallest index: splits are ordered and each holds its first, so it is the row's first
+    # index reaching the maximum (torch.argmax's tie rule across split boundaries too).
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    mask = splits < num_splits
+    offsets = row * num_splits + splits
+    best = tl.load(split_best_ptr + offsets, mask=mask, other=float("-inf"))
+    index = tl.load(split_index_ptr + offsets, mask=mask, other=2**31 - 1)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, index, 2**31 - 1), axis=0)
     tl.store(out_ptr + row, first.to(tl.int64))
+
+
+def race_blocks_per_split(num_rows: int, vocab_size: int, num_sms: int, block: int) -> int:
+    """How many BLOCK-wide blocks of a row's vocab one program of the race reduces.
+
+    A host formula on shapes alone (no sync, and a captured graph's batch size fixes it):
+    aim at _RACE_PROGRAMS_PER_SM programs per SM in all, never more than one block per
+    program or _RACE_MAX_SPLITS splits per row. The split count is then the blocks over
+    this, rounded up: every split gets at least one block."""
+    num_blocks = triton.cdiv(vocab_size, block)
+    wanted = _RACE_PROGRAMS_PER_SM * num_sms // max(num_rows, 1)
+    return triton.cdiv(num_blocks, min(max(wanted, 1), num_blocks, _RACE_MAX_SPLITS))
 
 
 def exponential_race(
@@ -426,22 +481,55 @@ def exponential_race(
 ) -> torch.Tensor:
     """int64 [B]: per row of logits [B, V] (any float dtype), the argmax on greedy rows, the
     race's winner over logits / temperature (None: already scaled) on the others."""
+    num_rows, vocab_size = logits.shape
+    # The interpreter (CPU tensors) splits as an H200 (132 SMs) would.
+    num_sms = (
+        torch.cuda.get_device_properties(logits.device).multi_processor_count
+        if logits.is_cuda
+        else 132
+    )
+    blocks_per_split = race_blocks_per_split(num_rows, vocab_size, num_sms, _RACE_BLOCK)
+    return split_exponential_race(
+        logits, temperature, is_greedy, seeds, counters, blocks_per_split, _RACE_BLOCK
+    )
+
+
+def split_exponential_race(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    is_greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+    blocks_per_split: int,
+    block: int,
+) -> torch.Tensor:
+    """exponential_race with each row's vocab split in slices of blocks_per_split * block
+    columns (tests pick small ones to reach many splits on small vocabs)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
+    num_splits = triton.cdiv(triton.cdiv(vocab_size, block), blocks_per_split)
+    assert 1 <= num_splits <= _RACE_MAX_SPLITS, (vocab_size, block, blocks_per_split)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows:
-        _exponential_race_kernel[(num_rows,)](
+        split_best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+        split_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+        _exponential_race_kernel[(num_rows, num_splits)](
             logits,
             logits.stride(0),
             temperature,
             is_greedy,
             seeds,
             counters,
-            out,
+            split_best,
+            split_index,
             vocab_size,
+            blocks_per_split,
             HAS_TEMPERATURE=temperature is not None,
-            BLOCK=2048,
-            num_warps=8,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+        )
+        _exponential_race_reduce_kernel[(num_rows,)](
+            split_best, split_index, out, num_splits, BLOCK_SPLITS=_RACE_MAX_SPLITS, num_warps=1
         )
     return out

@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.kernels import fused_add_rms_norm, rms_norm, rotary_and_store_kv, silu_and_mul
+from engine.kernels.dispatch import use_triton
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding
 
@@ -42,6 +43,13 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+# Up to this many rows (decode batches), CUDA bf16/fp16 projections take the skinny-GEMM
+# Triton kernel (engine/kernels/triton_linear.py) instead of cuBLAS. 8 is where we start,
+# before measuring: benchmarks/gpu_kernels.py decides it (its linear section times
+# F.linear against the kernel per batch size and shape, and prints the value it supports).
+SKINNY_MAX_ROWS = 8
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T, the way each device runs it fastest.
 
@@ -49,11 +57,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the few-row batches of decoding, and never slower for long prefills (measured on the
     CI machine, see benchmarks/RESULTS.md). The result is a transposed view; the ops that
     follow accept any strides, and the next projection reads it back as contiguous.
+
+    On CUDA a decode batch of at most SKINNY_MAX_ROWS rows is a weight read, and the
+    skinny-GEMM Triton kernel is built for exactly that (one pass over the weight, wide
+    loads, every row of x per weight tile). Anything else (prefills, float32, strided x)
+    goes to F.linear (cuBLAS).
     """
-    if x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    out = (weight @ x.T).T
-    return out if bias is None else out + bias
+    if x.device.type == "cpu":
+        out = (weight @ x.T).T
+        return out if bias is None else out + bias
+    if takes_skinny_kernel(x, weight, bias):
+        from engine.kernels import triton_linear
+
+        return triton_linear.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def takes_skinny_kernel(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether linear() on a CUDA tensor runs engine/kernels/triton_linear.py."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= SKINNY_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and use_triton(x)
+    )
 
 
 class Linear(nn.Linear):

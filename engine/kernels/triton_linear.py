@@ -1,0 +1,164 @@
+"""Skinny GEMMs for decoding: out[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a few rows of x.
+
+At batch 1 to 16 a projection is a weight read: W (N x K, bf16/fp16, row-major) is
+megabytes, x and out are kilobytes, so the kernel is designed for memory bandwidth, not
+FLOPs. Each program owns BLOCK_N rows of W (BLOCK_N output columns) and walks the whole
+of K in BLOCK_K steps, loading a [BLOCK_N, BLOCK_K] tile of W once (16-byte loads along
+K, evicted first: nothing reads it again in the step) and applying it to every row of x
+(rows padded to a power of two repeat x's last row and are never stored), so W is read
+exactly once; accumulation is float32, the output is rounded once to x's dtype, after the
+bias is added in float32. There is no K split, so no atomics and no second pass: the grid
+is cdiv(N, BLOCK_N) programs, and a small BLOCK_N (4 rows: 256 programs for N = 1024)
+fills the GPU's 132 SMs where N is small.
+
+Two ways to form the products, chosen per shape by `pick_config`:
+- CUDA cores (use_dot=False): per row m of x, sum(W_tile * x[m]) over K in float32,
+  meant for 1-2 rows, where tensor cores would pad the rows to 16 (its multiply-adds
+  grow with the rows and would compete with the loads at 8 or more);
+- tensor cores (use_dot=True): tl.dot(x_tile, W_tile^T), x padded to 16 rows (the mma's
+  smallest M): the multiply-adds stop costing CUDA-core time as the rows grow, and the
+  W tiles stream through Triton's software pipeline (num_stages).
+
+Block sizes come from `pick_config`, a fixed rule that benchmarks/gpu_kernels.py
+--linear-sweep checks against every candidate; nothing is autotuned at run time (an
+autotuner would benchmark inside a CUDA-graph capture). The launcher never reads tensor values on the host, so it can be
+captured; the row count is not specialized on (do_not_specialize), so a new batch size
+only compiles again when it changes the power-of-two row block.
+
+TRITON_INTERPRET=1 runs this kernel on CPU tensors (tests/test_triton_linear.py does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# At most this many rows take the CUDA-core products; more take tensor cores.
+CUDA_CORE_MAX_ROWS = 2
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    use_dot: bool  # tensor cores (tl.dot) or CUDA-core multiply-and-sum
+    block_n: int  # W rows (output columns) per program
+    block_k: int  # K per loop step
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(rows: int, n: int, k: int) -> SkinnyConfig:
+    """The launch configuration for an x of `rows` rows and a W of [n, k].
+
+    A program's W tile is its bytes in flight: with BLOCK_K = 1024 the 256 programs of an
+    N = 1024 weight (all resident at once) have 2 MB in flight on CUDA cores, about the
+    H200's bandwidth-latency product; tensor cores get there through pipeline stages.
+    A first rule, reasoned rather than measured: benchmarks/gpu_kernels.py --linear-sweep
+    prints the best candidate per shape and row count beside this rule's pick.
+    """
+    block_k = min(triton.next_power_of_2(k), 1024)
+    if rows <= CUDA_CORE_MAX_ROWS:
+        return SkinnyConfig(use_dot=False, block_n=4, block_k=block_k, num_warps=4, num_stages=2)
+    return SkinnyConfig(
+        use_dot=True, block_n=16, block_k=min(block_k, 256), num_warps=4, num_stages=4
+    )
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    n,
+    k,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Padding rows (num_rows <= m < BLOCK_M) read x's last row instead of a masked load
+    # (in bounds, from L1) and are never stored. The K mask stays constant over 16
+    # elements when k % 16 == 0 (Triton specializes k on that), so loads stay 16 bytes wide.
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    col_ok = cols < n
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * k + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_tile = x_ptr + tl.minimum(rows, num_rows - 1)[:, None] * k + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_ok = (k0 + offs_k < k)[None, :]
+        w = tl.load(
+            w_tile + k0, mask=col_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first"
+        )
+        if USE_DOT:
+            x = tl.load(x_tile + k0, mask=k_ok, other=0.0)  # [BLOCK_M, BLOCK_K]
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            w32 = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                # Row m of x as [1, BLOCK_K]; a row of BLOCK_M beyond num_rows repeats the last.
+                x_m = tl.load(
+                    x_ptr + tl.minimum(m, num_rows - 1) * k + k0 + offs_k[None, :],
+                    mask=k_ok,
+                    other=0.0,
+                )
+                part = tl.sum(w32 * x_m.to(tl.float32), axis=1)  # [BLOCK_N]
+                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * n + cols[None, :]
+    tl.store(
+        out, acc.to(out_ptr.dtype.element_ty), mask=(rows < num_rows)[:, None] & col_ok[None, :]
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> a fresh contiguous [M, N] in x's dtype.
+
+    x and weight must be contiguous and of one 16-bit float dtype (bias too); `config`
+    overrides pick_config (the benchmark's sweep passes candidates).
+    """
+    assert x.dim() == 2 and weight.dim() == 2, "x is [M, K], weight [N, K]"
+    assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
+    assert x.dtype in (torch.bfloat16, torch.float16), "16-bit float inputs only"
+    assert weight.dtype == x.dtype, "x and weight must share a dtype"
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"x is [{num_rows}, {k}] but weight is {list(weight.shape)}"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous()
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    config = config or pick_config(num_rows, n, k)
+    block_m = triton.next_power_of_2(num_rows)
+    if config.use_dot:
+        block_m = max(block_m, 16)  # the mma's rows; padding rows are never stored
+    _skinny_linear_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        weight,
+        bias,
+        out,
+        num_rows,
+        n,
+        k,
+        HAS_BIAS=bias is not None,
+        USE_DOT=config.use_dot,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
