@@ -1,4 +1,4 @@
-"""Engine placement: LLMEngine on a thread (the real AsyncEngine) or in a child process.
+"""Engine placement: the engine loop on a thread or in a child process (AsyncEngine's two cores).
 
     python benchmarks/engine_placement.py --concurrency 16 64 \\
         --json-out benchmarks/results/cpu-engine-placement-smollm2.json
@@ -9,14 +9,13 @@ loop receives it. Beside them a ticker sleeps `--tick-ms` (1 ms) at a time and r
 late it wakes: that lag is what any other work on the loop (gRPC, health checks) would wait.
 The ticker is load too (1,000 wakeups a second); `--tick-ms 0` measures without it.
 
-- thread: engine.async_engine.AsyncEngine, the product code: the engine thread and the
-  loop share one interpreter, so they take turns holding the GIL. The LLMEngine is built on
-  a short-lived thread, so the engine thread owns the process's only OpenMP pool: a pool
+- thread: AsyncEngine(EngineThread(...)): the engine loop and the event loop share one
+  interpreter, so they take turns holding the GIL. The LLMEngine is built on a
+  short-lived thread, so the engine thread owns the process's only OpenMP pool: a pool
   left on a live thread (the loop's, an executor's) slows every step (RESULTS.md).
-- process: the smallest fair alternative, kept here as an experiment: the engine runs in a
-  spawned child that drains a request pipe, steps, and sends each step's events back as
-  one pickled list (batched per step, as AsyncEngine batches its wakeups); the loop reads
-  that pipe with add_reader and feeds per-request asyncio queues.
+- process: AsyncEngine(EngineProcess(...)) (engine/engine_process.py): the loop in a
+  spawned child; requests go in and each drain's or step's LoopOutput comes back over
+  multiprocessing queues.
 """
 
 from __future__ import annotations
@@ -24,15 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -48,93 +45,14 @@ from benchmarks.workload import (  # noqa: E402
     make_workload,
     run_info,
 )
-from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.async_engine import AsyncEngine, EngineThread  # noqa: E402
 from engine.config import EngineConfig, engine_config_from_flat  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
-from engine.outputs import CandidateEvent, FinishReason  # noqa: E402
+from engine.engine_process import EngineProcess  # noqa: E402
+from engine.outputs import CandidateEvent  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 Generate = Callable[[str, list[int], SamplingParams], AsyncIterator[CandidateEvent]]
-
-
-# ---- the process placement --------------------------------------------------------------
-
-
-def child_main(config: EngineConfig, requests: Connection, events: Connection) -> None:
-    """The engine loop of the child: like AsyncEngine._run, with pipes for queues."""
-    engine = LLMEngine(config)
-    events.send("ready")
-    while True:
-        # Block only while idle; when busy, take whatever arrived and step.
-        while requests.poll(None if not engine.has_unfinished_requests else 0):
-            item = requests.recv()
-            if item is None:
-                return
-            request_id, prompt, params = item
-            try:
-                engine.add_request(request_id, prompt, params)
-            except Exception as exc:  # fail the request, as AsyncEngine fails its submit
-                error = CandidateEvent(
-                    request_id, 0, "", [], finish_reason=FinishReason.ERROR, error=str(exc)
-                )
-                events.send([error])
-        if engine.has_unfinished_requests:
-            step_events = engine.step()
-            if step_events:
-                events.send(step_events)
-
-
-@dataclass
-class ProcessEngine:
-    """AsyncEngine's role with the engine in a child process; one candidate per request."""
-
-    config: EngineConfig
-    _queues: dict[str, asyncio.Queue] = field(default_factory=dict)
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    async def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        child_requests, self._requests = ctx.Pipe(duplex=False)  # (reader, writer)
-        self._events, child_events = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(
-            target=child_main, args=(self.config, child_requests, child_events), daemon=True
-        )
-        self._process.start()
-        child_requests.close()
-        child_events.close()
-        loop = asyncio.get_running_loop()
-        ready = await loop.run_in_executor(None, self._events.recv)  # the model loads
-        assert ready == "ready", ready
-        loop.add_reader(self._events.fileno(), self._on_events)
-
-    def _on_events(self) -> None:
-        while self._events.poll():
-            for event in self._events.recv():
-                queue = self._queues.get(event.request_id)
-                if queue is not None:
-                    queue.put_nowait(event)
-
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[CandidateEvent]:
-        queue = self._queues[request_id] = asyncio.Queue()
-        self._requests.send((request_id, prompt, params))
-        try:
-            while True:
-                event = await queue.get()
-                yield event
-                if event.finished:
-                    return
-        finally:
-            del self._queues[request_id]
-
-    def shutdown(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._events.fileno())
-        self._requests.send(None)
-        self._process.join(30)
 
 
 def build_on_own_thread(config: EngineConfig) -> LLMEngine:
@@ -195,14 +113,13 @@ async def measure(
 ) -> dict:
     pids = [os.getpid()]
     if placement == "thread":
-        engine = AsyncEngine(build_on_own_thread(config))
+        engine = AsyncEngine(EngineThread(build_on_own_thread(config)))
         engine.start()
-        generate: Generate = engine.generate
     else:
-        engine = ProcessEngine(config)
-        await engine.start()
-        generate = engine.generate
-        pids.append(engine.pid)
+        engine = AsyncEngine(EngineProcess(config))
+        await asyncio.to_thread(engine.start)  # the model loads
+        pids.append(engine.core.pid)
+    generate: Generate = engine.generate
     await run_requests(generate, warm, 2, f"{placement}-warm", progress=False)
 
     lags: list[float] = []
@@ -216,7 +133,7 @@ async def measure(
     stop.set()
     if tick is not None:
         await tick
-    engine.shutdown()
+    engine.shutdown(timeout=30)
 
     errors = [r.error for r in records if r.error]
     tokens = sum(r.tokens for r in records)

@@ -1,28 +1,37 @@
-"""AsyncEngine: LLMEngine on its own thread, driven from asyncio.
+"""AsyncEngine: LLMEngine's loop, driven from asyncio.
 
-The engine thread owns every piece of engine state. asyncio callers talk to it
-through one bounded inbox (submit, cancel) and get events back through a per-request
-RequestStream that the thread fills with loop.call_soon_threadsafe. A full inbox is
-refused at once (EngineOverloaded), so a burst can never grow memory without bound.
-Load and counters go the other way as an immutable EngineStats that the thread publishes
-by swapping one reference (`AsyncEngine.stats`), so readers need no lock.
+The loop (run_engine_loop) owns every piece of engine state and runs where its core puts
+it: on a thread of this process (EngineThread, here) or in a child process of its own
+(engine/engine_process.py). asyncio callers talk to it through one inbox (submit,
+cancel) and get events back through a per-request RequestStream. The requests not yet
+admitted are counted, and a submit beyond max_queued_requests is refused at once
+(EngineOverloaded), so a burst can never grow memory without bound.
+
+What the loop reports comes back as one LoopOutput per inbox drain and per step, handed
+to AsyncEngine.deliver on the core's thread: admissions settle their submit() futures,
+events go to their streams with loop.call_soon_threadsafe. Load and counters come as an
+immutable EngineStats that deliver publishes by swapping one reference
+(`AsyncEngine.stats`), so readers need no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.engine import LLMEngine
-from engine.errors import EngineError
+from engine.errors import EngineError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.stats import EngineInfo, EngineStats
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +54,9 @@ class RequestStream:
     has finished.
 
     Each candidate has a bounded mailbox for its step events and a separate slot for its
-    final event, so a full mailbox can never swallow how a candidate ended. A step event
+    final event, so a full mailbox can never swallow how a candidate ended. Step events
+    that piled up by the time the consumer asks come out merged into one delta, so a
+    consumer that fell behind (a busy event loop) catches up in fewer stream writes. A step event
     that finds its mailbox full means the consumer stopped keeping up: the request is
     cancelled and iteration raises StreamOverflow. Only this request pays; the engine never
     waits for a consumer. A consumer that stops iterating before the end (it left the loop,
@@ -84,6 +95,10 @@ class RequestStream:
                 f"{self.mailbox_size} events; the request was cancelled"
             )
         for index, mailbox in enumerate(self._mailboxes):
+            if len(mailbox) > 1:
+                events = list(mailbox)
+                mailbox.clear()
+                return CandidateEvent.merge(events)
             if mailbox:
                 return mailbox.popleft()
             if index in self._finals and index not in self._done:
@@ -108,45 +123,198 @@ class RequestStream:
                 self.cancel()  # idempotent: a finished or unknown request is left alone
 
 
+# ---- what crosses between AsyncEngine and the loop (plain values: they may be pickled) ----
+
+
 @dataclass
-class _Submit:
+class Submit:
+    ticket: int  # AsyncEngine's handle on the waiting submit(); request ids may repeat
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+
+
+@dataclass
+class Cancel:
+    request_id: str
+
+
+@dataclass
+class Stop:
+    """Ends the loop; items queued behind it are dropped."""
+
+
+@dataclass
+class LoopOutput:
+    """What one inbox drain or one step produced."""
+
+    admissions: list[tuple[int, EngineError | None]]  # (ticket, why it was refused)
+    events: list[CandidateEvent]
+    finished: set[str]  # request ids these events ended
+    stats: EngineStats
+
+
+def run_engine_loop(
+    engine: LLMEngine,
+    take: Callable[[bool], list[Submit | Cancel | Stop]],
+    deliver: Callable[[LoopOutput], None],
+) -> None:
+    """Drain the inbox, step, report; until a Stop. take(block) returns the items waiting
+    (block: wait a while for the first one, as there is nothing else to do)."""
+    while True:
+        items = take(not engine.has_unfinished_requests)
+        if items:
+            admissions, events = [], []
+            for item in items:
+                if isinstance(item, Stop):
+                    return
+                if isinstance(item, Cancel):
+                    events += engine.abort_request(item.request_id)
+                else:
+                    admissions.append((item.ticket, _admit(engine, item)))
+            # Reported before the step: a refused submit hears at once, and admitted
+            # requests count as waiting while the step runs.
+            deliver(_output(engine, admissions, events))
+        if engine.has_unfinished_requests:
+            deliver(_output(engine, [], engine.step()))
+
+
+def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
+    try:
+        engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
+    except ValidationError as exc:
+        return exc
+    except Exception as exc:  # as a plain EngineError, which pickles whatever it wrapped
+        return EngineError(f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _output(
+    engine: LLMEngine, admissions: list[tuple[int, EngineError | None]], events: list
+) -> LoopOutput:
+    finished = {e.request_id for e in events if e.request_id not in engine.requests}
+    return LoopOutput(admissions, events, finished, engine.stats())
+
+
+class EngineCore(Protocol):
+    """Where the loop runs. start() returns once the engine can take requests, having
+    delivered a first LoopOutput (its stats); the loop then hands each LoopOutput to
+    `deliver`, and calls `died` once if it ends any other way than by shutdown()."""
+
+    info: EngineInfo
+    tokenizer: Tokenizer
+
+    def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None: ...
+
+    def put(self, item: Submit | Cancel) -> None:
+        """Never blocks and never refuses: AsyncEngine bounds what it lets in."""
+        ...
+
+    def shutdown(self, timeout: float | None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+
+class EngineThread:
+    """The loop on a thread of this process, sharing its interpreter with the event loop."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.info = engine.info()
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.Queue[Submit | Cancel | Stop] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
+        deliver(_output(self.engine, [], []))  # the first stats, before any step
+
+        def run() -> None:
+            try:
+                run_engine_loop(self.engine, self._take, deliver)
+            except BaseException as exc:
+                log.exception("engine loop died")
+                died(f"engine loop died: {type(exc).__name__}: {exc}")
+
+        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Submit | Cancel) -> None:
+        self._inbox.put(item)
+
+    def shutdown(self, timeout: float | None) -> None:
+        self._inbox.put(Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _take(self, block: bool) -> list[Submit | Cancel | Stop]:
+        return drain(self._inbox, block)
+
+
+def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
+    """Every item waiting in inbox; with block, waits up to timeout for the first."""
+    items = []
+    try:
+        items.append(inbox.get(timeout=timeout) if block else inbox.get_nowait())
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        return items
+
+
+# ---- the asyncio side --------------------------------------------------------------------
+
+
+@dataclass
+class _Waiting:
+    """A submit() waiting for the loop to admit its request."""
+
     stream: RequestStream
     admitted: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
 
-@dataclass
-class _Cancel:
-    request_id: str
-
-
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 1024, mailbox_size: int = 256):
-        self.engine = engine
+    def __init__(self, core: EngineCore, max_queued_requests: int = 1024, mailbox_size: int = 256):
+        self.core = core
         self.max_queued_requests = max_queued_requests
         self.mailbox_size = mailbox_size
-        # Unbounded so a cancel is never refused; submit() bounds the requests it lets in.
-        self._inbox: queue.Queue[_Submit | _Cancel] = queue.Queue()
+        # Touched by submit() (the event loop) and by deliver() (the core's thread): dict
+        # operations are atomic under the interpreter lock, and each key has one writer
+        # at a time (submit adds, deliver removes).
+        self._waiting: dict[int, _Waiting] = {}
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.fatal_error: BaseException | None = None
-        self.stats: EngineStats = engine.stats()  # replaced, never mutated, by the engine thread
+        self._tickets = itertools.count()
+        self._stopping = False
+        self.fatal_error: str | None = None
+        self.stats: EngineStats | None = None  # replaced, never mutated, by deliver()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.core.info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
 
     def start(self) -> None:
-        self._thread.start()
+        self.core.start(self.deliver, self._died)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
+        self._stopping = True
+        self.core.shutdown(timeout)
+        self._died("the engine is shut down")  # nothing is left to answer what still waits
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.fatal_error is None
+        return self.core.is_alive() and self.fatal_error is None
+
+    def is_running(self, request_id: str) -> bool:
+        """Admitted and not finished yet."""
+        return request_id in self._streams
 
     async def submit(
         self,
@@ -156,33 +324,35 @@ class AsyncEngine:
         priority: int = 0,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it (or raises its ValidationError)."""
-        if self._stop.is_set() or self.fatal_error is not None:
-            raise EngineStopped("the engine loop is stopped")
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(
-            request_id, params.n, self.mailbox_size, lambda: self.cancel(request_id)
-        )
+        if self._stopping or self.fatal_error is not None:
+            raise EngineStopped(self.fatal_error or "the engine loop is stopped")
         if self.num_queued >= self.max_queued_requests:
             raise EngineOverloaded(
                 f"request queue is full ({self.max_queued_requests} waiting); retry later"
             )
-        admitted = loop.create_future()
-        self._inbox.put(
-            _Submit(request_id, prompt_token_ids, params, priority, stream, admitted, loop)
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(
+            request_id, params.n, self.mailbox_size, lambda: self.cancel(request_id)
         )
+        ticket = next(self._tickets)
+        admitted = loop.create_future()
+        self._waiting[ticket] = _Waiting(stream, admitted, loop)
+        self.core.put(Submit(ticket, request_id, prompt_token_ids, params, priority))
+        if self.fatal_error is not None and self._waiting.pop(ticket, None):
+            raise EngineStopped(self.fatal_error)  # the loop died after the check above
         await admitted
         return stream
 
     @property
     def num_queued(self) -> int:
-        """Requests accepted but not running yet: in the inbox (cancels counted too, which
-        errs on the safe side) or admitted and waiting for the scheduler. The waiting count
-        is the engine thread's last snapshot, republished after every inbox drain."""
-        return self._inbox.qsize() + self.stats.num_waiting_requests
+        """Requests accepted but not running yet: submitted and not admitted, or admitted
+        and waiting for the scheduler (the loop's last snapshot)."""
+        waiting = self.stats.num_waiting_requests if self.stats else 0
+        return len(self._waiting) + waiting
 
     def cancel(self, request_id: str) -> None:
         """Abort a request from any thread; its final events say CANCELLED. Idempotent."""
-        self._inbox.put(_Cancel(request_id))  # never refused: a cancel only frees work
+        self.core.put(Cancel(request_id))  # never refused: a cancel only frees work
 
     async def generate(
         self,
@@ -196,62 +366,34 @@ class AsyncEngine:
         async for event in stream:
             yield event
 
-    # ---- the engine thread -------------------------------------------------------------
+    # ---- on the core's thread ------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_inbox(block=not self.engine.has_unfinished_requests)
-                events = self.engine.step() if self.engine.has_unfinished_requests else []
-                # Published before dispatch: who saw a step's events sees stats at least as new.
-                self.stats = self.engine.stats()
-                self._dispatch(events)
-        except BaseException as exc:  # the loop died: fail everyone still waiting
-            log.exception("engine loop died")
-            self.fatal_error = exc
-            self._fail_all(f"engine loop died: {type(exc).__name__}: {exc}")
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                self.stats = self.engine.stats()  # admitted requests now count as waiting
-                return
-
-    def _handle(self, item: _Submit | _Cancel) -> None:
-        if isinstance(item, _Cancel):
-            self._dispatch(self.engine.abort_request(item.request_id))
-            return
-        try:
-            self.engine.add_request(
-                item.request_id, item.prompt_token_ids, item.params, item.priority
-            )
-        except Exception as exc:
-            _resolve(item.loop, item.admitted, exc)
-            return
-        self._streams[item.request_id] = (item.stream, item.loop)
-        _resolve(item.loop, item.admitted, None)
-
-    def _dispatch(self, events: list[CandidateEvent]) -> None:
+    def deliver(self, output: LoopOutput) -> None:
+        # Published first: who saw a step's events sees stats at least as new.
+        self.stats = output.stats
+        for ticket, error in output.admissions:
+            waiting = self._waiting.pop(ticket)
+            if error is None:
+                self._streams[waiting.stream.request_id] = (waiting.stream, waiting.loop)
+            _resolve(waiting.loop, waiting.admitted, error)
         by_request: dict[str, list[CandidateEvent]] = {}
-        for event in events:
+        for event in output.events:
             by_request.setdefault(event.request_id, []).append(event)
         for request_id, batch in by_request.items():
             entry = self._streams.get(request_id)
             if entry is None:
                 continue
             stream, loop = entry
-            if request_id not in self.engine.requests:
+            if request_id in output.finished:
                 del self._streams[request_id]
             _call_soon(loop, stream._push, batch)
 
-    def _fail_all(self, error: str) -> None:
+    def _died(self, error: str) -> None:
+        """The loop is gone: every waiting submit and every open stream fails with error."""
+        self.fatal_error = self.fatal_error or error
+        for ticket in list(self._waiting):
+            waiting = self._waiting.pop(ticket)
+            _resolve(waiting.loop, waiting.admitted, EngineStopped(error))
         for request_id, (stream, loop) in list(self._streams.items()):
             events = [
                 CandidateEvent(request_id, i, "", [], finish_reason=FinishReason.ERROR, error=error)

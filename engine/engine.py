@@ -30,7 +30,7 @@ from engine.request import Request, Sequence, SequenceStatus
 from engine.runner import LaunchedStep, ModelRunner, PendingTokens, SampleRow, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.stats import EngineStats
+from engine.stats import EngineInfo, EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -231,6 +231,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Requests are running, or a step is still in flight (step() collects it)."""
         return bool(self.requests) or self._in_flight is not None
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_path=str(self.model_path),
+            architecture=self.model_config.architecture,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            kv_block_size=self.config.cache.block_size,
+            kv_num_blocks=self.block_manager.num_blocks,
+            kv_capacity_tokens=self.pool_tokens,
+        )
 
     def stats(self) -> EngineStats:
         """A snapshot of load and counters; call it on the thread that steps the engine."""

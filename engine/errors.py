@@ -10,7 +10,10 @@ class ValidationError(EngineError, ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # pickles (it crosses from the engine process) with both arguments
+        return type(self), (self.field, self.message)
 
 
 class ModelLoadError(EngineError):

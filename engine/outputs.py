@@ -59,6 +59,27 @@ class CandidateEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def merge(cls, events: list[CandidateEvent]) -> CandidateEvent:
+        """One event carrying consecutive events of one candidate; the last one's ending."""
+        first, last = events[0], events[-1]
+        logprobs = None
+        if any(e.logprobs is not None for e in events):
+            logprobs = [lp for e in events for lp in e.logprobs or []]
+        return cls(
+            request_id=first.request_id,
+            index=first.index,
+            text="".join(e.text for e in events),
+            token_ids=[t for e in events for t in e.token_ids],
+            logprobs=logprobs,
+            prompt_logprobs=first.prompt_logprobs,
+            finish_reason=last.finish_reason,
+            matched_stop=last.matched_stop,
+            error=last.error,
+            usage=last.usage,
+            timing=last.timing,
+        )
+
 
 @dataclass
 class CompletionOutput:

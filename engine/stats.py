@@ -1,13 +1,29 @@
-"""EngineStats: an immutable snapshot of the engine's load and its cumulative counters.
+"""What the engine tells its callers about itself, as immutable values.
 
-The engine thread builds one (LLMEngine.stats) after every loop iteration and AsyncEngine
-publishes it by swapping a single reference, so a reader on another thread (a metrics
-scrape) never touches live engine state and never sees a half-updated snapshot.
+EngineInfo: the facts fixed at start-up (the model, its limits, the KV pool), read once.
+EngineStats: a snapshot of load and cumulative counters. The engine's loop builds one
+(LLMEngine.stats) after every iteration and AsyncEngine (or EngineProcess) publishes it by
+swapping a single reference, so a reader on another thread (a metrics scrape) never
+touches live engine state and never sees a half-updated snapshot.
+
+Both are plain values so they cross a process boundary as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_path: str  # the resolved model directory or GGUF file
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # sorted
+    kv_block_size: int
+    kv_num_blocks: int
+    kv_capacity_tokens: int
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,11 +27,13 @@ from engine.async_engine import (
     AsyncEngine,
     EngineOverloaded,
     EngineStopped,
+    EngineThread,
     RequestStream,
     StreamOverflow,
 )
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.engine_process import EngineProcess
 from engine.errors import ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams
@@ -53,6 +56,9 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     max_queued_requests: int = 1024  # the engine's bounded request queue
     mailbox_size: int = 256  # events a candidate may have unread before its stream fails
+    # The engine loop in a child process (None: on for CUDA, where the loop's host work
+    # and the server's per-token writes each need a core), else on a thread.
+    engine_process: bool | None = None
     drain_seconds: float = 30.0  # grace for in-flight requests after SIGTERM
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
@@ -159,7 +165,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         await _abort_on_engine_fault(event, context)
             except StreamOverflow as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return convert.generate_response(request_id, n, events, engine.engine.tokenizer)
+            return convert.generate_response(request_id, n, events, engine.tokenizer)
 
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
@@ -167,7 +173,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         with self._observed("StreamGenerate", context) as finals, self._in_flight_call():
             engine = await self._engine(context)
             _, _, stream = await self._submit(engine, request, context)
-            tokenizer = engine.engine.tokenizer
+            tokenizer = engine.tokenizer
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
                     if event.finished:
@@ -181,13 +187,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         with self._observed("Cancel", context):
             if self.engine is None:  # a draining server still cancels: that only frees work
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-            live = request.request_id in self.engine.engine.requests
+            live = self.engine.is_running(request.request_id)
             self.engine.cancel(request.request_id)
             return pb.CancelResponse(cancelled=live)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         with self._observed("Tokenize", context):
-            tokenizer = (await self._engine(context)).engine.tokenizer
+            tokenizer = (await self._engine(context)).tokenizer
             try:
                 ids = convert.prompt_token_ids(request, tokenizer, request.add_special_tokens)
             except ValidationError as exc:
@@ -200,18 +206,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return self._model_info(await self._engine(context))
 
     def _model_info(self, engine: AsyncEngine) -> pb.ModelInfo:
-        core = engine.engine
-        cache = core.config.cache
+        info = engine.info
         return pb.ModelInfo(
             name=self.model_name,
-            architecture=core.model_config.architecture,
-            max_context_length=core.max_model_len,
-            vocab_size=core.model_config.vocab_size,
-            eos_token_ids=sorted(core.eos_token_ids),
-            kv_block_size=cache.block_size,
-            kv_num_blocks=core.block_manager.num_blocks,
-            kv_capacity_tokens=core.pool_tokens,
-            has_chat_template=core.tokenizer.has_chat_template,
+            architecture=info.architecture,
+            max_context_length=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            kv_block_size=info.kv_block_size,
+            kv_num_blocks=info.kv_num_blocks,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            has_chat_template=engine.tokenizer.has_chat_template,
         )
 
     async def _submit(
@@ -226,7 +231,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     f"model: {request.model!r} is not served here (this server serves {self.model_name!r})",
                 )
             params = convert.sampling_params(request)
-            token_ids = convert.prompt_token_ids(request, engine.engine.tokenizer)
+            token_ids = convert.prompt_token_ids(request, engine.tokenizer)
             stream = await engine.submit(request_id, token_ids, params, request.priority)
         except ValidationError as exc:
             code = (
@@ -302,7 +307,10 @@ async def start_server(config: ServerConfig) -> Server:
 
 
 def load_engine(engine_config: EngineConfig, config: ServerConfig) -> AsyncEngine:
-    core = LLMEngine(engine_config)
+    in_process = config.engine_process
+    if in_process is None:
+        in_process = engine_config.torch_device.type == "cuda"
+    core = EngineProcess(engine_config) if in_process else EngineThread(LLMEngine(engine_config))
     engine = AsyncEngine(core, config.max_queued_requests, config.mailbox_size)
     engine.start()
     return engine
@@ -330,7 +338,7 @@ async def run_on_own_thread(fn, *args):
 
 async def warm_up(engine: AsyncEngine) -> None:
     """One request through prefill and decode, so the first real one pays no first-call costs."""
-    prompt = engine.engine.tokenizer.encode("Hello") or [0]
+    prompt = engine.tokenizer.encode("Hello") or [0]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     async for event in engine.generate(f"warm-up-{uuid.uuid4().hex}", prompt, params):
         if event.error:
@@ -349,7 +357,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     # Off the loop, so health checks are answered (NOT_SERVING) while the model loads.
     engine = await run_on_own_thread(load_engine, engine_config, config)
     await warm_up(engine)
-    model_name = engine.engine.model_path.name
+    model_name = Path(engine.info.model_path).name
     await server.set_ready(engine, model_name)
     log.info("serving %s on %s:%d", model_name, config.host, server.port)
     await stop.wait()

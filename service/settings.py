@@ -170,6 +170,11 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "server", "mailbox_size", "events a candidate may have unread before its stream fails"
     ),
+    _setting(
+        "server",
+        "engine_process",
+        "run the engine loop in a child process; unset: on for CUDA only",
+    ),
     _setting("server", "drain_seconds", "grace for in-flight requests after SIGTERM"),
     _setting("server", "metrics_host", "address the Prometheus /metrics endpoint binds"),
     _setting("server", "metrics_port", "Prometheus /metrics port; unset: no metrics endpoint"),

@@ -6,11 +6,17 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineOverloaded, RequestStream, StreamOverflow
+from engine.async_engine import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineThread,
+    RequestStream,
+    StreamOverflow,
+)
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.errors import ValidationError
-from engine.outputs import CandidateEvent, FinishReason
+from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_model
 
@@ -23,7 +29,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture
 async def async_engine(engine):
-    ae = AsyncEngine(engine, max_queued_requests=8)
+    ae = AsyncEngine(EngineThread(engine), max_queued_requests=8)
     ae.start()
     yield ae
     ae.shutdown(timeout=5)
@@ -86,7 +92,9 @@ async def test_cancel_by_id_ends_stream_with_cancelled(async_engine):
 
 
 async def test_full_queue_is_refused_fast_and_queued_requests_still_run(engine):
-    ae = AsyncEngine(engine, max_queued_requests=2)  # not started yet: nothing drains the inbox
+    ae = AsyncEngine(
+        EngineThread(engine), max_queued_requests=2
+    )  # not started yet: nothing drains the inbox
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     pending = [asyncio.ensure_future(ae.submit(f"q{i}", [1, 2], params)) for i in range(2)]
     await asyncio.sleep(0)
@@ -110,6 +118,22 @@ def final_event(index: int) -> CandidateEvent:
     return CandidateEvent("r", index, "", [], finish_reason=FinishReason.LENGTH)
 
 
+async def test_events_a_slow_consumer_left_waiting_come_out_merged_in_order():
+    stream = RequestStream("r", 1)
+    lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
+    stream._push([CandidateEvent("r", 0, f"t{t}", [t], logprobs=[lp[t]]) for t in range(3)])
+    iterator = aiter(stream)
+    merged = await anext(iterator)
+    assert (merged.text, merged.token_ids, merged.logprobs) == ("t0t1t2", [0, 1, 2], lp[:3])
+    assert not merged.finished
+    stream._push([CandidateEvent("r", 0, "t3", [3], logprobs=[lp[3]])])
+    alone = await anext(iterator)  # one waiting event is handed out as it is
+    assert (alone.text, alone.token_ids) == ("t3", [3])
+    stream._push([final_event(0)])
+    assert (await anext(iterator)).finish_reason is FinishReason.LENGTH
+    assert [e async for e in iterator] == []
+
+
 async def test_full_mailbox_fails_only_that_stream():
     overflows = []
     stream = RequestStream("r", 2, mailbox_size=4, cancel=lambda: overflows.append(1))
@@ -127,9 +151,7 @@ async def test_final_event_is_never_swallowed_by_a_full_mailbox():
     stream._push([step_event(1, 7), final_event(1), final_event(1)])  # a late duplicate too
     seen = [(e.index, e.token_ids, e.finished) async for e in stream]
     assert seen == [
-        (0, [0], False),
-        (0, [1], False),
-        (0, [2], False),
+        (0, [0, 1, 2], False),  # what piled up comes out as one delta
         (0, [], True),
         (1, [7], False),
         (1, [], True),

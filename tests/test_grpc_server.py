@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.llm import LLM
@@ -40,7 +40,7 @@ async def serving(
     start=False); stopped, with its engine, on the way out."""
     settings = {"num_blocks": 64, "block_size": 4, **settings}
     core = LLMEngine(engine_config_from_flat(model=str(model), **settings))
-    engine = AsyncEngine(core, max_queued_requests, mailbox_size)
+    engine = AsyncEngine(EngineThread(core), max_queued_requests, mailbox_size)
     if start:
         engine.start()
     srv = await start_server(server_config or ServerConfig(grpc_port=0))
@@ -363,7 +363,7 @@ async def test_readiness_follows_the_engine_and_drain_refuses_new_work(tiny_mode
         return (await health_stub.Check(health_pb2.HealthCheckRequest(service=name))).status
 
     core = LLMEngine(engine_config_from_flat(model=str(tiny_model), num_blocks=64, block_size=4))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(EngineThread(core))
     try:
         assert await health("") == health_pb2.HealthCheckResponse.SERVING
         assert await health(SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING

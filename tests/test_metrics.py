@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.outputs import CandidateEvent
@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory):
 
 def start_engine(tiny_model, **cache) -> AsyncEngine:
     core = LLMEngine(engine_config_from_flat(model=str(tiny_model), block_size=4, **cache))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(EngineThread(core))
     engine.start()
     return engine
 

@@ -128,13 +128,17 @@ async def test_metrics_count_requests_tokens_and_latencies(served):
         await stub.Generate(pb.GenerateRequest(text="The sky is", **greedy(5)))
         with pytest.raises(grpc.aio.AioRpcError):
             await stub.Generate(pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(n=0)))
+    # An aborted RPC's status can reach the client before the server's handler has
+    # counted it: wait for the count rather than race it.
+    refused = 'pagedserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate"}'
+    served.wait_for_metric(refused, before.get(refused, 0) + 1)
     after = served.metrics()
 
     def grew(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
 
     assert grew('pagedserve_requests_total{code="OK",rpc="Generate"}') == 1
-    assert grew('pagedserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate"}') == 1
+    assert grew(refused) == 1
     assert grew("pagedserve_generation_tokens_total") == 5
     assert grew("pagedserve_time_to_first_token_seconds_count") == 1
     assert grew("pagedserve_time_per_output_token_seconds_count") == 1

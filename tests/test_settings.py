@@ -165,6 +165,7 @@ SAMPLES = {
     "max_message_bytes": 1000,
     "max_queued_requests": 4,
     "mailbox_size": 8,
+    "engine_process": True,
     "drain_seconds": 1.5,
     "metrics_host": "127.0.0.1",
     "metrics_port": 9090,

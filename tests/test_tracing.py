@@ -8,7 +8,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.errors import ValidationError
@@ -47,7 +47,7 @@ def tracer(exporter):
 
 async def serve_and_call(tracer: RequestTracer, core: LLMEngine, request: bytes, metadata=()):
     """One RPC through a real grpc.aio server whose handler traces a real engine request."""
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(EngineThread(core))
     engine.start()
 
     async def handler(request: bytes, context) -> bytes:

@@ -8,7 +8,8 @@
 # Steps (arguments, in any order): tests, kernels, attention, bench, bench-hf (adds transformers),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
-# and unpack the ficache.tar.gz that comes back into .ficache/ for the next call.
+# and unpack the ficache.tar.gz.* parts that come back (cat them; 16 MiB per file comes back)
+# into .ficache/ for the next call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
@@ -53,6 +54,6 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
   echo "step $step: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/log.txt"
   [ "$rc" = 0 ] || status=$rc
 done
-tar czf "$OUT/ficache.tar.gz" -C .ficache . 2>/dev/null
+tar czf - -C .ficache . 2>/dev/null | split -b 12M - "$OUT/ficache.tar.gz."
 ls -la "$OUT"
 exit $status

@@ -1,0 +1,175 @@
+"""EngineProcess: the engine loop in a child process of its own (an AsyncEngine core).
+
+Why: the engine's host work per step (scheduling, input building, detokenizing) and the
+server's per-message work (one gRPC stream write per token per request) each need most of
+a core at GPU speed. On one interpreter they take turns holding its lock, and the step
+the GPU waits for gets stretched by the server's writes (benchmarks/RESULTS.md, serving on
+the H200). In a child process each has an interpreter of its own.
+
+How: the child is spawned (CUDA cannot be forked), builds the LLMEngine, reports ready
+with its EngineInfo and first stats, then runs engine.async_engine.run_engine_loop over
+two multiprocessing queues: requests in (Submit / Cancel / Stop), LoopOutputs out. Both
+queues have feeder threads, so a put never blocks either side: the event loop never waits
+for the child, and the child never waits for the parent. A reader thread in the parent
+takes each LoopOutput and hands it to AsyncEngine.deliver. The child exits when told to,
+or by itself when the parent is gone, so it never holds the GPU as an orphan.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.async_engine import Cancel, LoopOutput, Stop, Submit, drain, run_engine_loop
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.stats import EngineInfo
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# How often a waiting side looks up whether the other one is still alive.
+LIVENESS_POLL_SECONDS = 0.5
+
+
+@dataclass
+class _Ready:
+    info: EngineInfo
+    first: LoopOutput
+
+
+@dataclass
+class _Failed:
+    """The engine could not start, or its loop died."""
+
+    error: str
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, start_timeout: float | None = None):
+        self.config = config
+        self.start_timeout = start_timeout  # None: as long as loading the model takes
+        context = mp.get_context("spawn")
+        self._requests = context.Queue()
+        self._requests.cancel_join_thread()  # at exit, requests the child never read are moot
+        self._outputs = context.Queue()
+        self._process = context.Process(
+            target=_child_main,
+            args=(config, self._requests, self._outputs, logging.getLogger().level),
+            name="pagedserve-engine",
+            daemon=True,
+        )
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
+        """Spawn the child and wait until its engine is built (model load, CUDA graphs)."""
+        self._process.start()
+        first = self._next_output(self.start_timeout)
+        if isinstance(first, _Failed):
+            self._process.join(5)
+            raise ModelLoadError(f"the engine process failed to start: {first.error}")
+        if not isinstance(first, _Ready):  # None: the child is gone without a word
+            raise ModelLoadError(f"the engine process exited with code {self._process.exitcode}")
+        self.info = first.info
+        self.tokenizer = Tokenizer.from_path(first.info.model_path)
+        deliver(first.first)
+        self._reader = threading.Thread(
+            target=self._read, args=(deliver, died), name="engine-outputs", daemon=True
+        )
+        self._reader.start()
+
+    def put(self, item: Submit | Cancel) -> None:
+        self._requests.put(item)
+
+    def shutdown(self, timeout: float | None) -> None:
+        self._stopping = True
+        if self._process.is_alive():
+            self._requests.put(Stop())
+            self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("engine process did not stop in %s s; terminating it", timeout)
+            self._process.terminate()
+            self._process.join(5)
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def _read(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
+        while True:
+            try:
+                output = self._next_output(None)
+            except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
+                log.exception("unreadable engine output")
+                output = _Failed(f"unreadable output: {type(exc).__name__}: {exc}")
+                self._process.terminate()
+            if isinstance(output, LoopOutput):
+                deliver(output)
+                continue
+            if not self._stopping:  # a _Failed, or the child exited without one
+                error = output.error if isinstance(output, _Failed) else "it exited"
+                code = self._process.exitcode
+                log.error("engine process died (exit code %s): %s", code, error)
+                died(f"engine process died: {error}")
+            return
+
+    def _next_output(self, timeout: float | None) -> LoopOutput | _Ready | _Failed | None:
+        """The child's next message; None once it is gone (or after timeout seconds)."""
+        waited = 0.0
+        while timeout is None or waited < timeout:
+            try:
+                return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
+            except queue.Empty:
+                waited += LIVENESS_POLL_SECONDS
+                if not self._process.is_alive():  # anything it sent before is read by now
+                    try:
+                        return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
+                    except queue.Empty:
+                        return None
+        return None
+
+
+# ---- in the child ------------------------------------------------------------------------
+
+
+def _child_main(config: EngineConfig, requests: mp.Queue, outputs: mp.Queue, log_level: int):
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
+    )
+    from engine.engine import LLMEngine  # here, so the parent never builds one by accident
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:
+        log.exception("engine start-up failed")
+        outputs.put(_Failed(f"{type(exc).__name__}: {exc}"))
+        return
+    first = LoopOutput([], [], set(), engine.stats())
+    outputs.put(_Ready(engine.info(), first))
+    parent = mp.parent_process()
+
+    def take(block: bool) -> list[Submit | Cancel | Stop]:
+        items = drain(requests, block, timeout=LIVENESS_POLL_SECONDS)
+        if not items and block and parent is not None and not parent.is_alive():
+            return [Stop()]  # orphaned: free the device
+        return items
+
+    try:
+        run_engine_loop(engine, take, outputs.put)
+    except BaseException as exc:
+        log.exception("engine loop died")
+        outputs.put(_Failed(f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    # Wait for the feeder thread to hand every output to the pipe before exiting.
+    outputs.close()
+    outputs.join_thread()
