@@ -44,10 +44,10 @@ class RMSNorm(nn.Module):
 
 
 # Up to this many rows (decode batches), CUDA bf16/fp16 projections take the skinny-GEMM
-# Triton kernel (engine/kernels/triton_linear.py) instead of cuBLAS. 8 is where we start,
-# before measuring: benchmarks/gpu_kernels.py decides it (its linear section times
-# F.linear against the kernel per batch size and shape, and prints the value it supports).
-SKINNY_MAX_ROWS = 8
+# Triton kernel (engine/kernels/triton_linear.py) instead of cuBLAS. Measured on the H200
+# (benchmarks/gpu_kernels.py, RESULTS.md): a decoder layer's four projections take 22.6 vs
+# 31.2 us at 1 row and 21.4 vs 26.8 at 2; at 4 rows they are even, from 8 cuBLAS wins.
+SKINNY_MAX_ROWS = 2
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
