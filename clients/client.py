@@ -3,6 +3,8 @@
 Both retry RESOURCE_EXHAUSTED (queue full) and UNAVAILABLE (starting, draining) with
 exponential backoff, waiting at least the server's `retry-after-ms` hint. A streaming
 call is retried only before its first message arrives, so no output is ever repeated.
+With an api_key, every call carries `authorization: Bearer <key>` metadata, which a server
+started with --api-key requires.
 """
 
 from __future__ import annotations
@@ -39,11 +41,16 @@ class RetryPolicy:
         return attempt + 1 < self.attempts and error.code() in RETRYABLE
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 class AsyncInferenceClient:
-    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy()):
+    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(), api_key: str | None = None):
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._retry = retry
+        self._metadata = auth_metadata(api_key)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -59,7 +66,7 @@ class AsyncInferenceClient:
     ) -> pb.GenerateResponse:
         for attempt in range(self._retry.attempts):
             try:
-                return await self._stub.Generate(request, timeout=timeout)
+                return await self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as error:
                 if not self._retry.should_retry(attempt, error):
                     raise
@@ -72,7 +79,9 @@ class AsyncInferenceClient:
         for attempt in range(self._retry.attempts):
             received = False
             try:
-                async for message in self._stub.StreamGenerate(request, timeout=timeout):
+                async for message in self._stub.StreamGenerate(
+                    request, timeout=timeout, metadata=self._metadata
+                ):
                     received = True
                     yield message
                 return
@@ -82,24 +91,27 @@ class AsyncInferenceClient:
                 await asyncio.sleep(self._retry.delay(attempt, error))
 
     async def cancel(self, request_id: str) -> bool:
-        answer = await self._stub.Cancel(pb.CancelRequest(request_id=request_id))
+        answer = await self._stub.Cancel(
+            pb.CancelRequest(request_id=request_id), metadata=self._metadata
+        )
         return answer.cancelled
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self._stub.Tokenize(request)).token_ids)
+        return list((await self._stub.Tokenize(request, metadata=self._metadata)).token_ids)
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest())
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
 
 
 class InferenceClient:
     """The blocking twin of AsyncInferenceClient, for scripts and threads."""
 
-    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy()):
+    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(), api_key: str | None = None):
         self._channel = grpc.insecure_channel(target)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._retry = retry
+        self._metadata = auth_metadata(api_key)
 
     def close(self) -> None:
         self._channel.close()
@@ -115,7 +127,7 @@ class InferenceClient:
     ) -> pb.GenerateResponse:
         for attempt in range(self._retry.attempts):
             try:
-                return self._stub.Generate(request, timeout=timeout)
+                return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as error:
                 if not self._retry.should_retry(attempt, error):
                     raise
@@ -128,7 +140,9 @@ class InferenceClient:
         for attempt in range(self._retry.attempts):
             received = False
             try:
-                for message in self._stub.StreamGenerate(request, timeout=timeout):
+                for message in self._stub.StreamGenerate(
+                    request, timeout=timeout, metadata=self._metadata
+                ):
                     received = True
                     yield message
                 return
@@ -138,11 +152,13 @@ class InferenceClient:
                 time.sleep(self._retry.delay(attempt, error))
 
     def cancel(self, request_id: str) -> bool:
-        return self._stub.Cancel(pb.CancelRequest(request_id=request_id)).cancelled
+        return self._stub.Cancel(
+            pb.CancelRequest(request_id=request_id), metadata=self._metadata
+        ).cancelled
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self._stub.Tokenize(request).token_ids)
+        return list(self._stub.Tokenize(request, metadata=self._metadata).token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)

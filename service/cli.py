@@ -102,7 +102,8 @@ def cmd_client_generate(args: argparse.Namespace, settings: Settings) -> int:
     )
     if args.seed is not None:
         request.sampling.seed = args.seed
-    with InferenceClient(args.target) as client:
+    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+    with InferenceClient(args.target, api_key=api_key) as client:
         if args.stream:
             for message in client.stream(request, timeout=args.timeout):
                 print(message.text, end="", flush=True)
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     cgen.add_argument("--stream", action="store_true")
     cgen.add_argument("--json", action="store_true", help="the whole response as JSON")
     cgen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    cgen.add_argument(
+        "--api-key", default=None, help="the server's API key (default: env PAGEDSERVE_API_KEY)"
+    )
     cgen.set_defaults(func=cmd_client_generate)
 
     models = sub.add_parser("models", help="the local model cache")

@@ -65,9 +65,15 @@ def prompt_token_ids(
         return tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return chat_token_ids(messages, tokenizer)
     return list(request.token_ids.ids)
+
+
+def chat_token_ids(messages: list[dict], tokenizer: Tokenizer) -> list[int]:
+    """The prompt for chat messages: the model's own template, with the assistant's turn
+    opened. The template writes the special tokens itself, so encoding adds none."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def token_logprobs(

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
 import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,7 +36,7 @@ from engine.async_engine import (
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import EngineProcess
-from engine.errors import ModelLoadError, ValidationError
+from engine.errors import EngineError, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
@@ -42,6 +44,9 @@ from pagedserve.v1 import inference_pb2_grpc
 from service import convert
 from service.metrics import ServerMetrics, rpc_status
 from service.tracing import TRACE_EXPORTERS, RequestTracer, configure_tracing
+
+if TYPE_CHECKING:
+    from service.http_api import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +69,13 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     trace_exporter: str = "none"  # none | console | otlp
     otlp_endpoint: str | None = None  # e.g. http://collector:4317 (otlp only)
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None  # the OpenAI-compatible REST shim; None: off
+    # Callers must send "Authorization: Bearer <key>" (REST header, gRPC metadata); None: off.
+    api_key: str | None = field(default=None, repr=False)  # never in logs
 
     def __post_init__(self) -> None:
-        for name in ("grpc_port", "metrics_port"):
+        for name in ("grpc_port", "metrics_port", "http_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValidationError(name, f"must be a port in [0, 65535], got {port}")
@@ -86,9 +95,64 @@ class ServerConfig:
                 "trace_exporter",
                 f"must be one of {', '.join(TRACE_EXPORTERS)}, got {self.trace_exporter!r}",
             )
-        for name in ("host", "metrics_host"):
+        for name in ("host", "metrics_host", "http_host"):
             if not getattr(self, name):
                 raise ValidationError(name, "must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValidationError("api_key", "must not be empty or blank")
+
+
+class ServiceUnavailable(EngineError):
+    """No warm engine to take new work: still loading, or draining. Retry elsewhere."""
+
+
+class UnknownModel(EngineError):
+    """The request names a model this server does not serve."""
+
+
+def authorized(header: str | None, api_key: str | None) -> bool:
+    """Whether an Authorization header value carries the key (always, when no key is set)."""
+    if api_key is None:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    # Constant-time, so the answer's timing does not leak how much of a guess was right.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for calls without `authorization: Bearer <key>` metadata; health
+    checks and reflection stay open, so Kubernetes probes and grpcurl need no key."""
+
+    OPEN_SERVICES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/")
+
+    def __init__(self, api_key: str) -> None:
+        self.api_key = api_key
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self.OPEN_SERVICES):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if authorized(metadata.get("authorization"), self.api_key):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer)"
+            )
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            deny,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -134,8 +198,25 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 self.metrics.request_finished(finals)
             span.finish(code, finals)
 
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, if it takes new work; ServiceUnavailable while loading or draining.
+        Both front ends (gRPC and REST) ask here, so they refuse work at the same moments."""
+        if self.draining:
+            raise ServiceUnavailable("server is draining; retry elsewhere")
+        if self.engine is None:
+            raise ServiceUnavailable("model is still loading; retry later")
+        return self.engine
+
+    def check_model(self, name: str) -> None:
+        """UnknownModel unless `name` is empty or the model served here."""
+        if name and name != self.model_name:
+            raise UnknownModel(
+                f"model: {name!r} is not served here (this server serves {self.model_name!r})"
+            )
+
     @contextlib.contextmanager
-    def _in_flight_call(self) -> Iterator[None]:
+    def in_flight_call(self) -> Iterator[None]:
+        """Count a generation in flight, so a drain waits for it."""
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -146,14 +227,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 self._idle.set()
 
     async def _engine(self, context) -> AsyncEngine:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading; retry later")
-        return self.engine
+        try:
+            return self.ready_engine()
+        except ServiceUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        with self._observed("Generate", context) as finals, self._in_flight_call():
+        with self._observed("Generate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
             request_id, n, stream = await self._submit(engine, request, context)
             events: list[CandidateEvent] = []
@@ -170,7 +250,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        with self._observed("StreamGenerate", context) as finals, self._in_flight_call():
+        with self._observed("StreamGenerate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
             _, _, stream = await self._submit(engine, request, context)
             tokenizer = engine.tokenizer
@@ -225,11 +305,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """Validate, tokenize and queue; aborts the RPC with the right status on failure."""
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            if request.model and request.model != self.model_name:
-                await context.abort(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"model: {request.model!r} is not served here (this server serves {self.model_name!r})",
-                )
+            self.check_model(request.model)
             params = convert.sampling_params(request)
             token_ids = convert.prompt_token_ids(request, engine.tokenizer)
             stream = await engine.submit(request_id, token_ids, params, request.priority)
@@ -245,6 +321,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineStopped as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except UnknownModel as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return request_id, params.n, stream
 
 
@@ -263,6 +341,11 @@ class Server:
     service: InferenceService
     port: int
     metrics_port: int | None  # the bound /metrics port, None when off
+    http: HttpServer | None = None  # the REST shim, None when off
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
 
     async def set_ready(self, engine: AsyncEngine, model_name: str) -> None:
         self.service.attach(engine, model_name)
@@ -277,6 +360,8 @@ class Server:
         return await self.service.wait_idle(grace_seconds)
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc_server.stop(None)
         await asyncio.to_thread(self.service.tracer.shutdown)  # flushes queued spans
         await asyncio.to_thread(self.service.metrics.stop_http_server)
@@ -287,7 +372,8 @@ async def start_server(config: ServerConfig) -> Server:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
-    grpc_server = grpc.aio.server(options=options)
+    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key is not None else []
+    grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
     # Up before the model loads, so a scrape during a slow start still answers.
     metrics_port = None
@@ -303,7 +389,12 @@ async def start_server(config: ServerConfig) -> Server:
     await grpc_server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return Server(grpc_server, health_servicer, service, port, metrics_port)
+    http = None
+    if config.http_port is not None:
+        from service.http_api import start_http  # fastapi is imported only when REST is on
+
+        http = await start_http(service, config.http_host, config.http_port, config.api_key)
+    return Server(grpc_server, health_servicer, service, port, metrics_port, http)
 
 
 def load_engine(engine_config: EngineConfig, config: ServerConfig) -> AsyncEngine:
@@ -354,6 +445,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(config)
     log.info("gRPC on %s:%d; loading the model", config.host, server.port)
+    if server.http is not None:
+        log.info("REST (OpenAI-compatible) on %s:%d", config.http_host, server.http.port)
     # Off the loop, so health checks are answered (NOT_SERVING) while the model loads.
     engine = await run_on_own_thread(load_engine, engine_config, config)
     await warm_up(engine)

@@ -180,6 +180,18 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("server", "metrics_port", "Prometheus /metrics port; unset: no metrics endpoint"),
     _setting("server", "trace_exporter", "OpenTelemetry spans", choices=TRACE_EXPORTERS),
     _setting("server", "otlp_endpoint", "e.g. http://collector:4317 (trace_exporter otlp only)"),
+    _setting("server", "http_host", "address the OpenAI-compatible REST shim binds"),
+    _setting(
+        "server",
+        "http_port",
+        "OpenAI-compatible REST port (/v1/completions, /v1/chat/completions, ...); unset: no REST",
+    ),
+    _setting(
+        "server",
+        "api_key",
+        "callers must send Authorization: Bearer <key> (REST header, gRPC metadata; health "
+        "and reflection stay open); unset: no key. Prefer the env var to the flag",
+    ),
     # Logging configures the process itself, so it has no config dataclass.
     Setting(
         "log_level",

@@ -171,6 +171,9 @@ SAMPLES = {
     "metrics_port": 9090,
     "trace_exporter": "console",
     "otlp_endpoint": "http://collector:4317",
+    "http_host": "0.0.0.0",
+    "http_port": 8000,
+    "api_key": "s3cret",
     "log_level": "INFO",
 }
 

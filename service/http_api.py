@@ -1,0 +1,656 @@
+"""The OpenAI-compatible REST shim: a FastAPI app over the gRPC service's engine.
+
+Same process, same AsyncEngine, same bounded queue: the app reads the engine through
+InferenceService.ready_engine(), so "loading" and "draining" answer 503 here exactly when
+gRPC answers UNAVAILABLE, and a REST generation counts as in flight for the drain. A request
+is validated (pydantic for shapes, SamplingParams.validate for values), tokenized (the
+model's chat template for messages) and submitted once per prompt; engine events become
+OpenAI's JSON, or its SSE chunks when streaming. A client that goes away mid-stream cancels
+its requests, which frees their KV blocks.
+
+Errors use OpenAI's envelope, {"error": {"message", "type", "param", "code"}}: 400
+validation, 401 API key, 404 unknown model, 429 queue full (Retry-After), 503 loading or
+draining, 500 engine fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineStopped,
+    RequestStream,
+    StreamOverflow,
+)
+from engine.errors import ValidationError
+from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
+from engine.tokenizer import Tokenizer
+from service import convert
+from service.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from service.server import InferenceService, ServiceUnavailable, UnknownModel, authorized
+
+RETRY_AFTER_SECONDS = "1"  # HTTP's Retry-After counts whole seconds
+_FINISH_REASONS = {
+    FinishReason.LENGTH: "length",
+    FinishReason.CONTEXT_LIMIT: "length",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.ERROR: "error",
+}
+# How a REST outcome is counted in pagedserve_requests_total, next to the RPCs.
+_STATUS_CODES = {
+    200: grpc.StatusCode.OK,
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error(exc: Exception, param_names: dict[str, str] | None = None) -> ApiError:
+    """The REST face of what submitting (or preparing) a request can raise."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        param = (param_names or {}).get(exc.field, exc.field)
+        return ApiError(400, f"{param}: {exc.message}", param=param)
+    if isinstance(exc, UnknownModel):
+        return ApiError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineOverloaded):
+        headers = {"Retry-After": RETRY_AFTER_SECONDS}
+        return ApiError(429, str(exc), "rate_limit_error", code="queue_full", headers=headers)
+    if isinstance(exc, ServiceUnavailable | EngineStopped):
+        return ApiError(503, str(exc), "service_unavailable", code="unavailable")
+    return ApiError(500, f"{type(exc).__name__}: {exc}", "internal_error", code="engine_error")
+
+
+def create_app(service: InferenceService, api_key: str | None = None) -> FastAPI:
+    """The REST app over `service`'s engine; with api_key, /v1 and /tokenize need the key."""
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+        return ApiError(400, message, param=param).response()
+
+    async def require_key(request: Request) -> None:
+        if not authorized(request.headers.get("authorization"), api_key):
+            raise ApiError(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    guarded = [Depends(require_key)]
+    api = _Api(service)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 only while a live engine takes work: loading, draining or a dead loop is 503."""
+        try:
+            engine = service.ready_engine()
+        except ServiceUnavailable as exc:
+            return api_error(exc).response()
+        if not engine.is_alive:
+            message = engine.fatal_error or "the engine loop is stopped"
+            return ApiError(503, message, "service_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        engine = api.engine()
+        return {"object": "list", "data": [api.model_card(engine)]}
+
+    @app.get("/v1/models/{name}", dependencies=guarded)
+    async def model(name: str) -> dict[str, Any]:
+        engine = api.engine()
+        api.check_model(name)
+        return api.model_card(engine)
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest) -> Response:
+        return await api.completions(body)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await api.chat_completions(body)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        engine = api.engine()
+        api.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "prompt: give exactly one of prompt, messages", param="prompt")
+        try:
+            if body.messages is not None:
+                ids = convert.chat_token_ids([m.as_dict() for m in body.messages], engine.tokenizer)
+            else:
+                ids = engine.tokenizer.encode(body.prompt, body.add_special_tokens)
+        except ValidationError as exc:
+            raise api_error(exc) from None
+        return {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        engine = api.engine()
+        api.check_model(body.model)
+        vocab = engine.info.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: {bad} is not a token id in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+@dataclass
+class _Choice:
+    """One choice being assembled: a candidate of one prompt's engine request."""
+
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # a stream sent its first chunk (role / echo) already
+
+
+@dataclass
+class _Generation:
+    """One API call: its engine requests (one per prompt) and their choices."""
+
+    id: str
+    kind: str  # "completion" | "chat"
+    model: str
+    n: int
+    streams: list[RequestStream]
+    prompts: list[list[int]]
+    echo_texts: list[str]  # per prompt; "" unless echo
+    logprobs: bool  # the request asked for them
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+    finals: list[CandidateEvent] = field(default_factory=list)
+
+    def choice(self, prompt: int, event: CandidateEvent) -> _Choice:
+        index = prompt * self.n + event.index
+        return self.choices.setdefault(index, _Choice(index))
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(e.usage.completion_tokens for e in self.finals if e.usage)
+        cached = sum(e.usage.cached_tokens for e in self.finals if e.usage and e.index == 0)
+        prompt = sum(len(p) for p in self.prompts)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+class _Api:
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    def engine(self) -> AsyncEngine:
+        try:
+            return self.service.ready_engine()
+        except ServiceUnavailable as exc:
+            raise api_error(exc) from None
+
+    def check_model(self, name: str | None) -> None:
+        try:
+            self.service.check_model(name or "")
+        except UnknownModel as exc:
+            raise api_error(exc) from None
+
+    def model_card(self, engine: AsyncEngine) -> dict[str, Any]:
+        return {
+            "id": self.service.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagedserve",
+            "max_model_len": engine.info.max_model_len,
+        }
+
+    # ---- generation ----------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest) -> Response:
+        engine = self.engine()
+        try:
+            self.service.check_model(body.model or "")
+            params = body.sampling_params()
+            tokenizer = engine.tokenizer
+            prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+        except Exception as exc:
+            raise api_error(exc) from None
+        echo = [tokenizer.decode(p) if body.echo else "" for p in prompts]
+        gen = await self._submit(engine, "cmpl", "completion", prompts, params, body.priority, {})
+        gen.echo_texts = echo
+        return await self._respond(gen, engine.tokenizer, body.stream, body.include_usage)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        engine = self.engine()
+        names = ChatCompletionRequest.PARAM_NAMES
+        try:
+            self.service.check_model(body.model or "")
+            params = body.sampling_params()
+            messages = [m.as_dict() for m in body.messages]
+            prompt = convert.chat_token_ids(messages, engine.tokenizer)
+        except Exception as exc:
+            raise api_error(exc, names) from None
+        gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body.priority, names)
+        return await self._respond(gen, engine.tokenizer, body.stream, body.include_usage)
+
+    async def _submit(
+        self,
+        engine: AsyncEngine,
+        prefix: str,
+        kind: str,
+        prompts: list[list[int]],
+        params,
+        priority: int,
+        param_names: dict[str, str],
+    ) -> _Generation:
+        """One engine request per prompt; if one is refused, those already queued are cancelled."""
+        gen_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = gen_id if len(prompts) == 1 else f"{gen_id}-{i}"
+                streams.append(await engine.submit(request_id, prompt, params, priority))
+        except BaseException as exc:
+            for stream in streams:
+                stream.cancel()
+            if isinstance(exc, Exception):
+                error = api_error(exc, param_names)
+                self._record(kind, error.status, [])
+                raise error from None
+            raise
+        model = self.service.model_name
+        echo = [""] * len(prompts)
+        wants = params.logprobs is not None
+        return _Generation(gen_id, kind, model, params.n, streams, prompts, echo, wants)
+
+    async def _respond(
+        self, gen: _Generation, tokenizer: Tokenizer, stream: bool, include_usage: bool
+    ) -> Response:
+        if stream:
+            chunks = self._sse(gen, tokenizer, include_usage)
+            return _EventStream(chunks, media_type="text/event-stream")
+        with self.service.in_flight_call(), self._observed(gen) as status:
+            async for prompt, event in _merged(gen.streams):
+                self._absorb(gen, prompt, event)
+                if event.finish_reason is FinishReason.ERROR:
+                    status[0] = 500
+                    raise ApiError(500, event.error or "engine error", "internal_error")
+            return JSONResponse(self._full_response(gen, tokenizer))
+
+    @contextlib.contextmanager
+    def _observed(self, gen: _Generation) -> Iterator[list[int]]:
+        status = [200]
+        try:
+            yield status
+        except BaseException as exc:
+            status[0] = 499 if isinstance(exc, asyncio.CancelledError) else api_error(exc).status
+            if isinstance(exc, StreamOverflow):
+                status[0] = 429
+            raise
+        finally:
+            self._record(gen.kind, status[0], gen.finals)
+
+    def _record(self, kind: str, status: int, finals: list[CandidateEvent]) -> None:
+        rpc = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        self.service.metrics.rpc_finished(rpc, _STATUS_CODES.get(status, grpc.StatusCode.INTERNAL))
+        if finals:
+            self.service.metrics.request_finished(finals)
+
+    def _absorb(self, gen: _Generation, prompt: int, event: CandidateEvent) -> _Choice:
+        choice = gen.choice(prompt, event)
+        choice.text += event.text
+        choice.logprobs += event.logprobs or []
+        if event.prompt_logprobs is not None:
+            gen.prompt_logprobs[prompt] = event.prompt_logprobs
+        if event.finished:
+            choice.finish_reason = _FINISH_REASONS[event.finish_reason]
+            gen.finals.append(event)
+        return choice
+
+    def _full_response(self, gen: _Generation, tokenizer: Tokenizer) -> dict[str, Any]:
+        choices = []
+        for index in sorted(gen.choices):
+            choice = gen.choices[index]
+            prompt = index // gen.n
+            if gen.kind == "chat":
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": choice.text},
+                        "logprobs": _chat_logprobs(choice.logprobs, tokenizer)
+                        if gen.logprobs
+                        else None,
+                        "finish_reason": choice.finish_reason,
+                    }
+                )
+            else:
+                echo = gen.echo_texts[prompt]
+                logprobs = None
+                if gen.logprobs:
+                    items: list[TokenLogprob | None] = []
+                    if echo:
+                        items += gen.prompt_logprobs.get(prompt) or []
+                    logprobs = _completion_logprobs(items + choice.logprobs, tokenizer, 0)
+                choices.append(
+                    {
+                        "index": index,
+                        "text": echo + choice.text,
+                        "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason,
+                    }
+                )
+        return {
+            "id": gen.id,
+            "object": "chat.completion" if gen.kind == "chat" else "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+            "usage": gen.usage(),
+        }
+
+    async def _sse(
+        self, gen: _Generation, tokenizer: Tokenizer, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """OpenAI's SSE stream: `data: {chunk}` events, a usage chunk with no choices if
+        asked for, then `data: [DONE]`. Closing it early (the client left) cancels the
+        engine requests."""
+        with self.service.in_flight_call(), self._observed(gen) as status:
+            chunk_usage = {"usage": None} if include_usage else {}
+            offsets: dict[int, int] = {}  # completions: text offset of each choice
+            try:
+                async for prompt, event in _merged(gen.streams):
+                    choice = gen.choice(prompt, event)
+                    first = not choice.started
+                    choice.started = True
+                    self._absorb(gen, prompt, event)
+                    if event.finish_reason is FinishReason.ERROR:
+                        status[0] = 500
+                        yield _sse_data(ApiError(500, event.error or "engine error").body())
+                        return
+                    if gen.kind == "chat":
+                        delta = self._chat_delta(gen, choice, event, tokenizer, first)
+                    else:
+                        delta = self._text_delta(gen, choice, event, tokenizer, first, offsets)
+                    if delta is not None:
+                        yield _sse_data(self._chunk(gen, [delta]) | chunk_usage)
+            except StreamOverflow as exc:
+                status[0] = 429
+                yield _sse_data(ApiError(429, str(exc), "rate_limit_error").body())
+                return
+            if include_usage:
+                yield _sse_data(self._chunk(gen, []) | {"usage": gen.usage()})
+            yield "data: [DONE]\n\n"
+
+    def _chunk(self, gen: _Generation, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": gen.id,
+            "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": choices,
+        }
+
+    def _chat_delta(
+        self,
+        gen: _Generation,
+        choice: _Choice,
+        event: CandidateEvent,
+        tokenizer: Tokenizer,
+        first: bool,
+    ) -> dict[str, Any] | None:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if event.text or first:
+            delta["content"] = event.text
+        if not delta and not event.finished:
+            return None
+        logprobs = None
+        if gen.logprobs and event.logprobs:
+            logprobs = _chat_logprobs(event.logprobs, tokenizer)
+        finish = _FINISH_REASONS[event.finish_reason] if event.finished else None
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
+
+    def _text_delta(
+        self,
+        gen: _Generation,
+        choice: _Choice,
+        event: CandidateEvent,
+        tokenizer: Tokenizer,
+        first: bool,
+        offsets: dict[int, int],
+    ) -> dict[str, Any] | None:
+        prompt = choice.index // gen.n
+        text = (gen.echo_texts[prompt] if first else "") + event.text
+        if not text and not event.finished:
+            return None
+        logprobs = None
+        if gen.logprobs:
+            items: list[TokenLogprob | None] = []
+            if first and gen.echo_texts[prompt]:
+                items += gen.prompt_logprobs.get(prompt) or []
+            items += event.logprobs or []
+            start = offsets.get(choice.index, 0)
+            logprobs = _completion_logprobs(items, tokenizer, start)
+        offsets[choice.index] = offsets.get(choice.index, 0) + len(text)
+        finish = _FINISH_REASONS[event.finish_reason] if event.finished else None
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, however the response ends,
+    so a client that left cancels its engine requests at once rather than at GC time."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse_data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CandidateEvent]]:
+    """(prompt index, event) from every stream as they come; leaving early cancels them all."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, CandidateEvent | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((i, event))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # each stream's own cleanup cancels its engine request
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(items: list[TokenLogprob], tokenizer: Tokenizer) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            entry(item.token_id, item.logprob)
+            | {"top_logprobs": [entry(t, lp) for t, lp in item.top]}
+            for item in items
+        ]
+    }
+
+
+def _completion_logprobs(
+    items: list[TokenLogprob | None], tokenizer: Tokenizer, offset: int
+) -> dict[str, Any]:
+    """The legacy completions shape; a prompt's first token (no logprob) comes as None."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for item in items:
+        if item is None:
+            continue
+        text = _token_text(tokenizer, item.token_id)
+        tokens.append(text)
+        token_logprobs.append(item.logprob)
+        top.append({_token_text(tokenizer, t): lp for t, lp in item.top} or None)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+# ---- serving -----------------------------------------------------------------------------
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: serve() owns SIGTERM (drain, then stop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpServer:
+    server: uvicorn.Server
+    task: asyncio.Task
+    port: int
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http(
+    service: InferenceService,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    log_level: str = "warning",
+) -> HttpServer:
+    """Serve the REST app on the running loop; returns once it listens (port 0: any free
+    port, the bound one is HttpServer.port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(
+        create_app(service, api_key),
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=1,  # the drain has already waited for work in flight
+    )
+    server = _Uvicorn(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped it
+            raise RuntimeError("the REST server stopped while starting")
+        await asyncio.sleep(0.01)
+    return HttpServer(server, task, sock.getsockname()[1])

@@ -1,0 +1,174 @@
+"""The OpenAI API's request bodies, as pydantic models, and their mapping to SamplingParams.
+
+pydantic checks the shapes (a string where a number belongs: 400 naming the field); the
+values' ranges are SamplingParams.validate's, the same check gRPC requests pass through.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour
+(logit_bias, suffix, tools, ...) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.errors import ValidationError
+from engine.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What completions and chat share: sampling, stopping, streaming, and the common
+    extras of OpenAI-compatible servers (top_k, min_p, ...)."""
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int = 0
+
+    COPIED: ClassVar[tuple[str, ...]] = (
+        "n",
+        "temperature",
+        "top_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise ValidationError("logit_bias", "is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValidationError("stream_options", "is only allowed with stream: true")
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs)
+        for name in self.COPIED:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(params, name, value)
+        if self.stop is not None:
+            params.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return params
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            return [prompt]
+        if not prompt:
+            raise ValidationError("prompt", "must not be empty")
+        return list(prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValidationError("suffix", "is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValidationError("best_of", "only best_of == n is supported")
+        params = self._params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the template may use them
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # unset: up to the context limit
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    # SamplingParams' field -> the name this API gives it, for error messages
+    PARAM_NAMES: ClassVar[dict[str, str]] = {
+        "logprobs": "top_logprobs",
+        "max_tokens": "max_completion_tokens",
+    }
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise ValidationError("tools", "tool calling is not supported by this server")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValidationError("response_format", "only {'type': 'text'} is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValidationError("top_logprobs", "needs logprobs: true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        return self._params(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
