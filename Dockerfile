@@ -2,12 +2,16 @@
 # pagedserve images (k8s/README.md deploys them):
 #   CPU (default):  docker build -t pagedserve:cpu .
 #   GPU:            docker build --build-arg VARIANT=gpu -t pagedserve:gpu .
-# VARIANT picks the runtime base: slim Python for cpu, the CUDA runtime for gpu. The builder
+# VARIANT picks the base: slim Python for cpu, the CUDA toolkit for gpu. The builder
 # stage makes a venv on that same base and the final stage copies only the venv, the
 # pre-fetched default model and nothing else.
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.9.1-runtime-ubuntu24.04
+# flashinfer compiles its attention kernels with nvcc on first use (once per pod start
+# unless FLASHINFER_WORKSPACE_BASE sits on a volume), so the GPU image needs the toolkit, not
+# just the runtime. Match its CUDA major version to torch's: python -c "import torch;
+# print(torch.version.cuda)".
+ARG CUDA_IMAGE=nvidia/cuda:12.9.1-devel-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base-cpu
 ENV PYTHON=/usr/local/bin/python3
@@ -49,8 +53,7 @@ COPY service service
 COPY clients clients
 COPY proto proto
 # This project, its dependencies bounded by pyproject.toml; the gpu extra adds flashinfer and
-# triton (flashinfer compiles kernels on first use unless its prebuilt jit-cache wheel is
-# installed too; a -devel CUDA_IMAGE is the other way).
+# triton (flashinfer compiles kernels on first use with the toolkit of the devel base).
 # hadolint ignore=DL3013
 RUN if [ "$VARIANT" = gpu ]; then pip install ".[gpu]"; else pip install .; fi
 # The embedded default model (SmolLM2 GGUF, ~100 MB) is baked in at build time, so a pod
