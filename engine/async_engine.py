@@ -11,7 +11,9 @@ What the loop reports comes back as one LoopOutput per inbox drain and per step,
 to AsyncEngine.deliver on the core's thread: admissions settle their submit() futures,
 events go to their streams with loop.call_soon_threadsafe. Load and counters come as an
 immutable EngineStats that deliver publishes by swapping one reference
-(`AsyncEngine.stats`), so readers need no lock.
+(`AsyncEngine.stats`), so readers need no lock. Each delivery also counts as progress:
+`stalled_seconds` says how long work has been outstanding without a LoopOutput, which a
+watchdog reads to tell a stuck loop from a busy or an idle one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -291,6 +294,7 @@ class AsyncEngine:
         self._stopping = False
         self.fatal_error: str | None = None
         self.stats: EngineStats | None = None  # replaced, never mutated, by deliver()
+        self._last_progress = time.monotonic()  # the last LoopOutput, or work arriving idle
 
     @property
     def info(self) -> EngineInfo:
@@ -311,6 +315,18 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.core.is_alive() and self.fatal_error is None
+
+    @property
+    def has_work(self) -> bool:
+        """Submits waiting for admission, or admitted requests not finished yet."""
+        return bool(self._waiting) or bool(self._streams)
+
+    @property
+    def stalled_seconds(self) -> float:
+        """How long work has been outstanding with no LoopOutput from the loop; 0 when
+        idle. A loop stepping normally delivers after every step, so this stays near one
+        step's time; an idle loop delivers nothing and is never stalled."""
+        return time.monotonic() - self._last_progress if self.has_work else 0.0
 
     def is_running(self, request_id: str) -> bool:
         """Admitted and not finished yet."""
@@ -336,6 +352,8 @@ class AsyncEngine:
         )
         ticket = next(self._tickets)
         admitted = loop.create_future()
+        if not self.has_work:  # an idle loop delivers nothing: the stall clock starts now
+            self._last_progress = time.monotonic()
         self._waiting[ticket] = _Waiting(stream, admitted, loop)
         self.core.put(Submit(ticket, request_id, prompt_token_ids, params, priority))
         if self.fatal_error is not None and self._waiting.pop(ticket, None):
@@ -371,6 +389,7 @@ class AsyncEngine:
     def deliver(self, output: LoopOutput) -> None:
         # Published first: who saw a step's events sees stats at least as new.
         self.stats = output.stats
+        self._last_progress = time.monotonic()
         for ticket, error in output.admissions:
             waiting = self._waiting.pop(ticket)
             if error is None:

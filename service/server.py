@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
+WATCHDOG_SECONDS = 1.0  # how often the watchdog looks at the engine
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class ServerConfig:
     # and the server's per-token writes each need a core), else on a thread.
     engine_process: bool | None = None
     drain_seconds: float = 30.0  # grace for in-flight requests after SIGTERM
+    # Work outstanding and no step finished for this long: the loop is stuck, and health
+    # goes NOT_SERVING. Far above any one step (a long prefill, a CUDA-graph capture).
+    engine_stall_seconds: float = 60.0
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     trace_exporter: str = "none"  # none | console | otlp
@@ -89,6 +93,11 @@ class ServerConfig:
         if not 0 <= self.drain_seconds < math.inf:
             raise ValidationError(
                 "drain_seconds", f"must be a finite number >= 0, got {self.drain_seconds}"
+            )
+        if not 0 < self.engine_stall_seconds < math.inf:
+            raise ValidationError(
+                "engine_stall_seconds",
+                f"must be a finite number > 0, got {self.engine_stall_seconds}",
             )
         if self.trace_exporter not in TRACE_EXPORTERS:
             raise ValidationError(
@@ -342,6 +351,7 @@ class Server:
     port: int
     metrics_port: int | None  # the bound /metrics port, None when off
     http: HttpServer | None = None  # the REST shim, None when off
+    watchdog: asyncio.Task | None = None  # watch_engine's task, None until started
 
     @property
     def http_port(self) -> int | None:
@@ -359,12 +369,41 @@ class Server:
         self.service.draining = True
         return await self.service.wait_idle(grace_seconds)
 
+    def watch_engine(self, stall_seconds: float, every: float = WATCHDOG_SECONDS) -> asyncio.Task:
+        """Start the watchdog over the attached engine; it ends with the server (stop())."""
+        self.watchdog = asyncio.ensure_future(
+            self._watch(self.service.engine, stall_seconds, every)
+        )
+        return self.watchdog
+
+    async def _watch(self, engine: AsyncEngine, stall_seconds: float, every: float) -> None:
+        """Once the engine loop is dead or stuck, liveness and readiness go NOT_SERVING
+        for good, so Kubernetes takes the pod out of its Service and restarts it."""
+        while (fault := engine_fault(engine, stall_seconds)) is None:
+            await asyncio.sleep(every)
+        log.error("%s; health is NOT_SERVING for a restart", fault)
+        for name in (SERVICE_NAME, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         if self.http is not None:
             await self.http.stop()
         await self.grpc_server.stop(None)
         await asyncio.to_thread(self.service.tracer.shutdown)  # flushes queued spans
         await asyncio.to_thread(self.service.metrics.stop_http_server)
+
+
+def engine_fault(engine: AsyncEngine, stall_seconds: float) -> str | None:
+    """Why the engine can serve no more, or None: its loop (thread or process) is gone, or
+    it has work and delivered nothing for stall_seconds. An idle engine is never stuck."""
+    if not engine.is_alive:
+        return f"engine loop is dead: {engine.fatal_error or 'it exited'}"
+    stalled = engine.stalled_seconds
+    if stalled > stall_seconds:
+        return f"engine loop is stuck: work waiting and no step finished for {stalled:.1f} s"
+    return None
 
 
 async def start_server(config: ServerConfig) -> Server:
@@ -452,6 +491,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     await warm_up(engine)
     model_name = Path(engine.info.model_path).name
     await server.set_ready(engine, model_name)
+    server.watch_engine(config.engine_stall_seconds)
     log.info("serving %s on %s:%d", model_name, config.host, server.port)
     await stop.wait()
     log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)

@@ -176,6 +176,12 @@ SETTINGS: tuple[Setting, ...] = (
         "run the engine loop in a child process; unset: on for CUDA only",
     ),
     _setting("server", "drain_seconds", "grace for in-flight requests after SIGTERM"),
+    _setting(
+        "server",
+        "engine_stall_seconds",
+        "engine watchdog: work waiting and no step finished for this long (or the engine loop "
+        "dead) turns liveness and readiness NOT_SERVING; keep it above the longest step",
+    ),
     _setting("server", "metrics_host", "address the Prometheus /metrics endpoint binds"),
     _setting("server", "metrics_port", "Prometheus /metrics port; unset: no metrics endpoint"),
     _setting("server", "trace_exporter", "OpenTelemetry spans", choices=TRACE_EXPORTERS),

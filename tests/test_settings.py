@@ -167,6 +167,7 @@ SAMPLES = {
     "mailbox_size": 8,
     "engine_process": True,
     "drain_seconds": 1.5,
+    "engine_stall_seconds": 7.5,
     "metrics_host": "127.0.0.1",
     "metrics_port": 9090,
     "trace_exporter": "console",
