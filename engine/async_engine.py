@@ -178,9 +178,9 @@ def run_engine_loop(
                     admissions.append((item.ticket, _admit(engine, item)))
             # Reported before the step: a refused submit hears at once, and admitted
             # requests count as waiting while the step runs.
-            deliver(_output(engine, admissions, events))
+            deliver(loop_output(engine, admissions, events))
         if engine.has_unfinished_requests:
-            deliver(_output(engine, [], engine.step()))
+            deliver(loop_output(engine, [], engine.step()))
 
 
 def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
@@ -193,9 +193,10 @@ def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
     return None
 
 
-def _output(
+def loop_output(
     engine: LLMEngine, admissions: list[tuple[int, EngineError | None]], events: list
 ) -> LoopOutput:
+    """What the loop reports after a drain or a step, with the engine's stats as of now."""
     finished = {e.request_id for e in events if e.request_id not in engine.requests}
     return LoopOutput(admissions, events, finished, engine.stats())
 
@@ -230,7 +231,7 @@ class EngineThread:
         self._thread: threading.Thread | None = None
 
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        deliver(_output(self.engine, [], []))  # the first stats, before any step
+        deliver(loop_output(self.engine, [], []))  # the first stats, before any step
 
         def run() -> None:
             try:

@@ -24,7 +24,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.async_engine import Cancel, LoopOutput, Stop, Submit, drain, run_engine_loop
+from engine.async_engine import (
+    Cancel,
+    LoopOutput,
+    Stop,
+    Submit,
+    drain,
+    loop_output,
+    run_engine_loop,
+)
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.stats import EngineInfo
@@ -154,8 +162,7 @@ def _child_main(config: EngineConfig, requests: mp.Queue, outputs: mp.Queue, log
         log.exception("engine start-up failed")
         outputs.put(_Failed(f"{type(exc).__name__}: {exc}"))
         return
-    first = LoopOutput([], [], set(), engine.stats())
-    outputs.put(_Ready(engine.info(), first))
+    outputs.put(_Ready(engine.info(), loop_output(engine, [], [])))
     parent = mp.parent_process()
 
     def take(block: bool) -> list[Submit | Cancel | Stop]:

@@ -413,14 +413,8 @@ class _Api:
                         "finish_reason": choice.finish_reason,
                     }
                 )
-        return {
-            "id": gen.id,
-            "object": "chat.completion" if gen.kind == "chat" else "text_completion",
-            "created": gen.created,
-            "model": gen.model,
-            "choices": choices,
-            "usage": gen.usage(),
-        }
+        kind = "chat.completion" if gen.kind == "chat" else "text_completion"
+        return _envelope(gen, kind, choices) | {"usage": gen.usage()}
 
     async def _sse(
         self, gen: _Generation, tokenizer: Tokenizer, include_usage: bool
@@ -456,13 +450,8 @@ class _Api:
             yield "data: [DONE]\n\n"
 
     def _chunk(self, gen: _Generation, choices: list[dict]) -> dict[str, Any]:
-        return {
-            "id": gen.id,
-            "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
-            "created": gen.created,
-            "model": gen.model,
-            "choices": choices,
-        }
+        kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+        return _envelope(gen, kind, choices)
 
     def _chat_delta(
         self,
@@ -525,6 +514,17 @@ class _EventStream(StreamingResponse):
             await super().stream_response(send)
         finally:
             await self.body_iterator.aclose()
+
+
+def _envelope(gen: _Generation, kind: str, choices: list[dict]) -> dict[str, Any]:
+    """The fields a completion, a chat completion and each of their chunks share."""
+    return {
+        "id": gen.id,
+        "object": kind,
+        "created": gen.created,
+        "model": gen.model,
+        "choices": choices,
+    }
 
 
 def _sse_data(payload: dict[str, Any]) -> str:

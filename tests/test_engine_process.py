@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import ServerConfig, load_engine, start_server
+from tests.test_grpc_server import kv_back_to_zero
 from tests.tiny_models import write_tiny_model
 
 SETTINGS = dict(num_blocks=64, block_size=4)
@@ -45,14 +46,6 @@ def process_engine(tiny_model):
     assert not engine.core.is_alive()
 
 
-async def wait_for_blocks_freed(engine: AsyncEngine, timeout: float = 10) -> int:
-    for _ in range(int(timeout / 0.02)):
-        if engine.stats.num_kv_blocks_used == 0:
-            break
-        await asyncio.sleep(0.02)
-    return engine.stats.num_kv_blocks_used
-
-
 async def test_greedy_streams_equal_the_offline_engine(process_engine, tiny_model):
     params = SamplingParams(n=2, max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [[3, 4, 5, 6][: i + 1] for i in range(4)]
@@ -69,7 +62,7 @@ async def test_greedy_streams_equal_the_offline_engine(process_engine, tiny_mode
     offline = LLM(str(tiny_model), **SETTINGS).generate(prompts, params)
     for tokens, want in zip(got, offline, strict=True):
         assert tokens == {c.index: c.token_ids for c in want.outputs}
-    assert await wait_for_blocks_freed(process_engine) == 0
+    await kv_back_to_zero(process_engine)
     assert process_engine.stats.num_generated_tokens >= 4 * 2 * 10
 
 
@@ -91,7 +84,7 @@ async def test_cancel_ends_the_stream_and_frees_its_blocks(process_engine):
             process_engine.cancel("long")
     assert last.finish_reason is FinishReason.CANCELLED
     assert not process_engine.is_running("long")
-    assert await wait_for_blocks_freed(process_engine) == 0
+    await kv_back_to_zero(process_engine)
 
 
 async def test_a_dead_engine_process_fails_open_streams_and_refuses_new_work(tiny_model):
@@ -157,7 +150,7 @@ async def test_grpc_server_over_the_engine_process(tiny_model):
                 if message.finish_reason:
                     reasons.append(message.finish_reason)
             assert reasons[-1] == pb.FINISH_REASON_CANCELLED
-        assert await wait_for_blocks_freed(engine) == 0
+        await kv_back_to_zero(engine)
     finally:
         await server.stop()
         engine.shutdown(timeout=10)

@@ -52,6 +52,15 @@ async def serving(
         engine.shutdown(timeout=5)
 
 
+async def kv_back_to_zero(engine: AsyncEngine, timeout: float = 10) -> None:
+    """Poll the engine's published stats until no KV block is used and nothing runs."""
+    for _ in range(int(timeout / 0.02)):
+        if engine.stats.num_kv_blocks_used == 0 and engine.stats.num_running_requests == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"KV blocks still used: {engine.stats.num_kv_blocks_used}")
+
+
 async def wait_until_gone(core: LLMEngine, request_id: str, timeout: float = 10) -> None:
     """Poll until the engine no longer holds request_id (its cancel is asynchronous)."""
     for _ in range(int(timeout / 0.02)):

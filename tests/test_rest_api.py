@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import httpx2 as httpx  # the HTTP client the openai package (3.x) is built on
 import openai
@@ -14,7 +12,7 @@ from clients.client import AsyncInferenceClient
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import ServerConfig
-from tests.test_grpc_server import serving
+from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
 
 KEY = "test-key"
@@ -40,14 +38,6 @@ async def rest(tiny_model):
         finally:
             await client.close()
     assert core.block_manager.num_used_blocks == 0
-
-
-async def kv_back_to_zero(engine, timeout: float = 10) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if engine.stats.num_kv_blocks_used == 0 and engine.stats.num_running_requests == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"KV blocks still used: {engine.stats.num_kv_blocks_used}")
 
 
 GREEDY = dict(model="tiny", temperature=0.0, extra_body={"ignore_eos": True})
