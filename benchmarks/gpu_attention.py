@@ -16,7 +16,6 @@ bandwidth.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -31,30 +30,47 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 SHAPES = ((256, 700), (200, 1000), (128, 1300), (32, 1500))  # (sequences, context tokens)
 
 
-def time_decode(batch: int, context: int, page_size: int, tensor_cores: bool, layout: str) -> float:
-    """Microseconds per call of one layer's decode, replayed in a CUDA graph."""
-    import flashinfer
-    from triton.testing import do_bench_cudagraph
+# (name, page size): the engine's kernel first; the others are checked against its output.
+VARIANTS = (
+    ("cuda-core", 16),  # BatchDecodeWithPagedKVCacheWrapper, what the engine runs
+    ("tensor-core", 16),  # the same wrapper on the prefill kernels (backend auto)
+    ("tensor-core-fa3", 16),  # ... on the Hopper FA3 prefill kernels
+    ("xqa", 16),  # TensorRT-LLM's XQA decode kernel (no plan: block table + lengths)
+    ("cuda-core", 32),
+    ("xqa", 32),
+)
 
-    pages_per_seq = -(-context // page_size)
-    num_pages = batch * pages_per_seq
-    page_shape = (page_size, NUM_KV_HEADS) if layout == "NHD" else (NUM_KV_HEADS, page_size)
-    cache = torch.randn(num_pages, 2, *page_shape, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    # Pages shuffled over the pool, as a long-running engine's tables are.
-    indices = torch.randperm(num_pages, dtype=torch.int32, device="cuda")
+
+def decode_call(variant: str, q, cache, table, context: int, page_size: int, out):
+    """One layer's decode as a no-argument call, its plan (if any) done here."""
+    import flashinfer
+
+    batch, pages_per_seq = table.shape
+    scale = HEAD_DIM**-0.5
+    if variant == "xqa":
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+        workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+        seq_lens = torch.full((batch,), context, dtype=torch.uint32, device="cuda")
+        return lambda: xqa_batch_decode_with_kv_cache(
+            q, cache, workspace, table, seq_lens, context, bmm1_scale=scale, out=out
+        )
+    indices = table.reshape(-1)
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
     last_page_len = torch.full(
         (batch,), context - (pages_per_seq - 1) * page_size, dtype=torch.int32
     )
     workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
+    extra = {"backend": "fa3"} if variant == "tensor-core-fa3" else {}
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace,
-        layout,
+        "NHD",
         use_cuda_graph=True,
-        use_tensor_cores=tensor_cores,
+        use_tensor_cores=variant != "cuda-core",
         paged_kv_indptr_buffer=indptr.cuda(),
         paged_kv_indices_buffer=indices,
         paged_kv_last_page_len_buffer=last_page_len.cuda(),
+        **extra,
     )
     wrapper.plan(
         indptr,
@@ -64,12 +80,45 @@ def time_decode(batch: int, context: int, page_size: int, tensor_cores: bool, la
         NUM_KV_HEADS,
         HEAD_DIM,
         page_size,
+        sm_scale=scale,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
     )
+    return lambda: wrapper.run(q, cache, out=out)
+
+
+def time_shape(batch: int, context: int, page_size: int, variants: list[str]) -> list[dict]:
+    """Microseconds per call of one layer's decode, replayed in a CUDA graph, per variant;
+    each variant's output is compared with the first's."""
+    from triton.testing import do_bench_cudagraph
+
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq
+    cache = torch.randn(
+        num_pages, 2, page_size, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
+    )
+    # Pages shuffled over the pool, as a long-running engine's tables are.
+    table = torch.randperm(num_pages, dtype=torch.int32, device="cuda").view(batch, -1)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    return do_bench_cudagraph(lambda: wrapper.run(q, cache, out=out)) * 1e3
+    kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * 2
+    rows, reference = [], None
+    for variant in variants:
+        row = dict(batch=batch, context=context, variant=variant, page_size=page_size)
+        out = torch.empty_like(q)
+        try:
+            call = decode_call(variant, q, cache, table, context, page_size, out)
+            call()
+            torch.cuda.synchronize()
+            if reference is None:
+                reference = out.clone()
+            row["max_abs_diff"] = round((out.float() - reference.float()).abs().max().item(), 4)
+            us = do_bench_cudagraph(call) * 1e3
+            row.update(us=round(us, 1), kv_tb_s=round(kv_bytes / us / 1e6, 2))
+        except Exception as error:  # one variant failing must not lose the others
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+        print(row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -80,22 +129,9 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for batch, context in SHAPES:
-        kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * 2
-        for layout, page_size, tensor_cores in itertools.product(
-            ("NHD", "HND"), (16, 32), (False, True)
-        ):
-            us = time_decode(batch, context, page_size, tensor_cores, layout)
-            row = dict(
-                batch=batch,
-                context=context,
-                layout=layout,
-                page_size=page_size,
-                tensor_cores=tensor_cores,
-                us=round(us, 1),
-                kv_tb_s=round(kv_bytes / us / 1e6, 2),
-            )
-            print(row, flush=True)
-            rows.append(row)
+        for page_size in sorted({size for _, size in VARIANTS}):
+            variants = [name for name, size in VARIANTS if size == page_size]
+            rows += time_shape(batch, context, page_size, variants)
     if args.json_out:
         args.json_out.write_text(json.dumps({**run_info(), "rows": rows}, indent=2) + "\n")
 

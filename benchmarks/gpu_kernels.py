@@ -274,7 +274,7 @@ LINEAR_SHAPES = {  # name: W's [N, K] (x is [rows, K])
 }
 LAYER_SHAPES = ("qkv", "o_proj", "gate_up", "down")  # one decoder layer's projections
 NUM_LAYERS = 28
-LINEAR_IMPLS = ("triton", "F.linear", "W@x.T")
+LINEAR_IMPLS = ("triton", "F.linear", "W@x.T", "cublaslt", "tinygemm")
 # Copies of a weight cycled through call after call, so that graph replays stream it from
 # HBM as a decode step does (28 layers' weights do not fit in the H200's 50 MB L2).
 ROTATION_BYTES = 512 << 20
@@ -301,10 +301,26 @@ def linear_calls(rows: int, n: int, k: int, dtype: torch.dtype):
     def triton_with(config) -> Callable[[], torch.Tensor]:
         return lambda: skinny_linear(x, weight(), None, config)
 
+    def cublaslt() -> torch.Tensor:  # torch's other BLAS backend, which may split K
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return torch.nn.functional.linear(x, weight())
+        finally:
+            torch.backends.cuda.preferred_blas_library("cublas")
+
+    def tinygemm() -> torch.Tensor:  # flashinfer's port of TensorRT-LLM's tinygemm2 (SM90+)
+        from flashinfer.gemm import tinygemm_bf16
+
+        out = torch.empty(rows, n, device="cuda", dtype=dtype)
+        tinygemm_bf16(x, weight(), out)
+        return out
+
     calls = {
         "triton": triton_with(None),  # pick_config's choice, as linear() runs it
         "F.linear": lambda: torch.nn.functional.linear(x, weight()),
         "W@x.T": lambda: (weight() @ x.T).T,  # a transposed view: cuBLAS may pick a GEMV
+        "cublaslt": cublaslt,
+        "tinygemm": tinygemm,
     }
     return calls, triton_with
 
@@ -501,7 +517,7 @@ def main() -> None:
         "--linear-rows",
         type=int,
         nargs="*",
-        default=[1, 2, 4, 8, 16, 32],
+        default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
         help="rows of x (decode batch sizes) for the projections; none to skip them",
     )
     parser.add_argument(

@@ -7,7 +7,8 @@ runner (input preparation, launch, the wait for the GPU at the sampled-token rea
 token post-processing (detokenize, stops, events). A step whose runner time is mostly the
 wait is GPU-bound; one whose time is mostly host phases is bound by Python. A timeline
 then shows each window of 100 steps: its mean step time and what the steps held. --kernels
-instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel.
+instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel; --prefill
+the workload's first steps, until every prompt is prefilled.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def main() -> None:
     p.add_argument("--cprofile", action="store_true", help="also profile the host (slower)")
     p.add_argument("--kernels", action="store_true", help="GPU time by kernel, 20 decode steps")
     p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="GPU time by kernel over the workload's first steps, until every prompt is prefilled",
+    )
+    p.add_argument(
         "--rows",
         type=int,
         default=None,
@@ -70,6 +76,9 @@ def main() -> None:
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
+    if args.prefill:
+        profile_prefill(engine, work, params)
+        return
     if args.kernels:
         if args.rows is not None:  # batch-1 latency's shape: short prompts, long outputs
             prompts = [p[:128] for p in work.prompts[: args.rows]]
@@ -166,6 +175,44 @@ def profile_kernels(engine, work, params) -> None:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue())
+
+
+def profile_prefill(engine, work, params) -> None:
+    """Profile the workload's steps from the first until every prompt has been prefilled:
+    GPU time by kernel, and each step's tokens and GPU time."""
+    for i, (prompt, sp) in enumerate(zip(work.prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, sp)
+    schedule = engine.scheduler.schedule
+    steps: list[tuple[int, int, torch.cuda.Event]] = []  # decode rows, prefill tokens, start
+
+    def recorded_schedule():
+        out = schedule()
+        decodes = sum(c.num_tokens == 1 for c in out.chunks)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        steps.append((decodes, out.num_tokens - decodes, start))
+        return out
+
+    engine.scheduler.schedule = recorded_schedule
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        while engine.scheduler.waiting or any(
+            s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
+        ):
+            engine.step()
+        engine.step()
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    engine.scheduler.schedule = schedule
+    print(f"prefill: {len(steps)} steps in {elapsed:.3f} s (under the profiler)")
+    print("step  decode rows  prefill tokens  gpu ms (to the next step's start)")
+    for i, ((decodes, prefill, event), (_, _, following)) in enumerate(
+        zip(steps, steps[1:], strict=False)
+    ):
+        print(f"{i:4d} {decodes:12d} {prefill:15d}  {event.elapsed_time(following):8.2f}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
 @dataclass

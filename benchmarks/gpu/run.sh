@@ -7,7 +7,7 @@
 #
 # Steps (arguments, in any order): tests, kernels, attention, bench, bench-hf (adds transformers),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
-# profile, cprofile, profile-kernels, profile-batch1. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
+# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
 # and unpack the ficache.tar.gz.* parts that come back (cat them; 16 MiB per file comes back)
 # into .ficache/ for the next call.
 set -uo pipefail
@@ -48,6 +48,10 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
     cprofile) python3 benchmarks/gpu_profile.py --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-kernels) python3 benchmarks/gpu_profile.py --kernels 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-batch1) python3 benchmarks/gpu_profile.py --kernels --rows 1 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile-rows32) python3 benchmarks/gpu_profile.py --kernels --rows 32 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile-prefill) python3 benchmarks/gpu_profile.py --prefill 2>&1 | tee -a "$OUT/log.txt" ;;
+    linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows \
+        --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}
