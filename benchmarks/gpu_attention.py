@@ -4,13 +4,14 @@
 
 Decode attention is most of a steady decode step's GPU time (benchmarks/RESULTS.md), so
 this times the choices the engine could make for it, in a CUDA graph as the engine runs
-it: the CUDA-core decode kernel (what engine/attention/flashinfer_backend.py uses for
-GQA groups up to 4) and the tensor-core one, at KV page sizes 16 and 32, with the pool in
-flashinfer's NHD layout (what the engine uses: [page, token, head, dim]) and in HND
-([page, head, token, dim], one head's page contiguous). Shapes are
-Qwen3-0.6B's (16 q / 8 kv heads of 128, bf16) with batch x context pairs the workload
-goes through; the figure is the KV bytes read per second, against the roofline's copy
-bandwidth.
+it. Shapes are Qwen3-0.6B's (16 q / 8 kv heads of 128, bf16): equal-length batch x context pairs, and the
+uneven lengths of the offline workload's own decode steps (WORKLOAD_STEPS); the figure is
+the KV bytes read per second, against the roofline's copy bandwidth. Variants: the
+CUDA-core kernel (what engine/attention/flashinfer_backend.py uses for GQA groups up to 4), the tensor-core one (flashinfer's prefill kernels)
+and TensorRT-LLM's XQA kernel (flashinfer.decode.xqa_batch_decode_with_kv_cache), on the
+engine's pool (NHD layout, 16-token pages). Earlier runs found no gain in the HND layout
+(results/h200-attention-layouts-a9c9c32.json), in 32-token pages or in the FA3 backend of
+the tensor-core path (1.5-1.9 TB/s; results/h200-attention-8b04cba.json).
 """
 
 from __future__ import annotations
@@ -28,38 +29,51 @@ from benchmarks.workload import run_info  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 SHAPES = ((256, 700), (200, 1000), (128, 1300), (32, 1500))  # (sequences, context tokens)
+# Decode steps of the offline workload itself (gpu_bench's nano-vllm workload, every prompt
+# prefilled at once): after `step` decode steps the sequences still running have contexts
+# of prompt + step tokens, from ~100 to ~2000. Lengths this uneven leave a kernel's longest
+# sequences running after the rest are done, which equal-length shapes do not show.
+WORKLOAD_STEPS = (50, 300, 600, 850)
+
+
+def workload_contexts(step: int) -> list[int]:
+    from benchmarks.gpu_bench import NANO_VLLM_WORKLOAD
+    from benchmarks.workload import make_workload
+
+    work = make_workload(NANO_VLLM_WORKLOAD)
+    return [
+        len(prompt) + step
+        for prompt, out in zip(work.prompts, work.output_lens, strict=True)
+        if out > step
+    ]
 
 
 # (name, page size): the engine's kernel first; the others are checked against its output.
 VARIANTS = (
     ("cuda-core", 16),  # BatchDecodeWithPagedKVCacheWrapper, what the engine runs
     ("tensor-core", 16),  # the same wrapper on the prefill kernels (backend auto)
-    ("tensor-core-fa3", 16),  # ... on the Hopper FA3 prefill kernels
     ("xqa", 16),  # TensorRT-LLM's XQA decode kernel (no plan: block table + lengths)
-    ("cuda-core", 32),
-    ("xqa", 32),
 )
 
 
-def decode_call(variant: str, q, cache, table, context: int, page_size: int, out):
+def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, page_size: int, out):
     """One layer's decode as a no-argument call, its plan (if any) done here."""
     import flashinfer
 
-    batch, pages_per_seq = table.shape
     scale = HEAD_DIM**-0.5
     if variant == "xqa":
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
         workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
-        seq_lens = torch.full((batch,), context, dtype=torch.uint32, device="cuda")
+        seq_lens = torch.tensor(contexts, dtype=torch.uint32, device="cuda")
+        table = torch.nn.utils.rnn.pad_sequence(pages, batch_first=True)
         return lambda: xqa_batch_decode_with_kv_cache(
-            q, cache, workspace, table, seq_lens, context, bmm1_scale=scale, out=out
+            q, cache, workspace, table, seq_lens, max(contexts), bmm1_scale=scale, out=out
         )
-    indices = table.reshape(-1)
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
-    last_page_len = torch.full(
-        (batch,), context - (pages_per_seq - 1) * page_size, dtype=torch.int32
-    )
+    indices = torch.cat(pages)
+    counts = torch.tensor([len(p) for p in pages], dtype=torch.int32)
+    indptr = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    last_page_len = torch.tensor(contexts, dtype=torch.int32) - (counts - 1) * page_size
     workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
     extra = {"backend": "fa3"} if variant == "tensor-core-fa3" else {}
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -87,26 +101,28 @@ def decode_call(variant: str, q, cache, table, context: int, page_size: int, out
     return lambda: wrapper.run(q, cache, out=out)
 
 
-def time_shape(batch: int, context: int, page_size: int, variants: list[str]) -> list[dict]:
-    """Microseconds per call of one layer's decode, replayed in a CUDA graph, per variant;
-    each variant's output is compared with the first's."""
+def time_shape(name: str, contexts: list[int], page_size: int, variants: list[str]) -> list[dict]:
+    """Microseconds per call of one layer's decode over sequences of the given context
+    lengths, replayed in a CUDA graph, per variant; each variant's output is compared with
+    the first's."""
     from triton.testing import do_bench_cudagraph
 
-    pages_per_seq = -(-context // page_size)
-    num_pages = batch * pages_per_seq
+    batch = len(contexts)
+    counts = [-(-n // page_size) for n in contexts]
     cache = torch.randn(
-        num_pages, 2, page_size, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
+        sum(counts), 2, page_size, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
     )
     # Pages shuffled over the pool, as a long-running engine's tables are.
-    table = torch.randperm(num_pages, dtype=torch.int32, device="cuda").view(batch, -1)
+    pages = list(torch.randperm(sum(counts), dtype=torch.int32, device="cuda").split(counts))
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * 2
+    kv_bytes = sum(contexts) * 2 * NUM_KV_HEADS * HEAD_DIM * 2
     rows, reference = [], None
     for variant in variants:
-        row = dict(batch=batch, context=context, variant=variant, page_size=page_size)
+        row = dict(shape=name, batch=batch, context=round(sum(contexts) / batch), variant=variant)
+        row["page_size"] = page_size
         out = torch.empty_like(q)
         try:
-            call = decode_call(variant, q, cache, table, context, page_size, out)
+            call = decode_call(variant, q, cache, pages, contexts, page_size, out)
             call()
             torch.cuda.synchronize()
             if reference is None:
@@ -127,11 +143,13 @@ def main() -> None:
     )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
+    shapes = {f"{batch} x {context}": [context] * batch for batch, context in SHAPES}
+    shapes |= {f"workload step {step}": workload_contexts(step) for step in WORKLOAD_STEPS}
     rows = []
-    for batch, context in SHAPES:
+    for name, contexts in shapes.items():
         for page_size in sorted({size for _, size in VARIANTS}):
-            variants = [name for name, size in VARIANTS if size == page_size]
-            rows += time_shape(batch, context, page_size, variants)
+            variants = [variant for variant, size in VARIANTS if size == page_size]
+            rows += time_shape(name, contexts, page_size, variants)
     if args.json_out:
         args.json_out.write_text(json.dumps({**run_info(), "rows": rows}, indent=2) + "\n")
 

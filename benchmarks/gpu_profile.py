@@ -178,41 +178,106 @@ def profile_kernels(engine, work, params) -> None:
 
 
 def profile_prefill(engine, work, params) -> None:
-    """Profile the workload's steps from the first until every prompt has been prefilled:
-    GPU time by kernel, and each step's tokens and GPU time."""
-    for i, (prompt, sp) in enumerate(zip(work.prompts, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, sp)
-    schedule = engine.scheduler.schedule
-    steps: list[tuple[int, int, torch.cuda.Event]] = []  # decode rows, prefill tokens, start
+    """The workload's steps from the first until every prompt has been prefilled, twice:
+    first with each step's host phases timed and the host under cProfile, then (after
+    aborting that batch, on prompts shifted by one token id so nothing is a prefix-cache
+    hit) under torch.profiler: GPU time by kernel."""
+    runner = engine.runner
+    schedule, execute, collect = engine.scheduler.schedule, runner.execute, runner.collect
+    steps: list[PrefillStep] = []
 
     def recorded_schedule():
         out = schedule()
         decodes = sum(c.num_tokens == 1 for c in out.chunks)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        steps.append((decodes, out.num_tokens - decodes, start))
+        steps.append(PrefillStep(decodes, out.num_tokens - decodes))
+        steps[-1].gpu_start.record()
         return out
 
-    engine.scheduler.schedule = recorded_schedule
+    def recorded_execute(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            steps[-1].execute_ms = (time.perf_counter() - start) * 1e3
+
+    def recorded_collect(launched):
+        start = time.perf_counter()
+        try:
+            return collect(launched)
+        finally:
+            steps[-1].collect_ms = (time.perf_counter() - start) * 1e3
+
+    def prefilling() -> bool:
+        scheduler = engine.scheduler
+        return bool(scheduler.waiting) or any(
+            s.num_uncomputed_tokens > 1 for s in scheduler.running
+        )
+
+    def add_all(shift: int) -> list[str]:
+        ids = []
+        for i, (prompt, sp) in enumerate(zip(work.prompts, params, strict=True)):
+            ids.append(f"shift{shift}-{i}")
+            engine.add_request(ids[-1], [t + shift for t in prompt], sp)
+        return ids
+
+    # Pass 1: host phases and cProfile.
+    engine.scheduler.schedule, runner.execute, runner.collect = (
+        recorded_schedule,
+        recorded_execute,
+        recorded_collect,
+    )
+    ids = add_all(0)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    while prefilling():
+        step_start = time.perf_counter()
+        engine.step()
+        steps[-1].wall_ms = (time.perf_counter() - step_start) * 1e3
+    engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    elapsed = time.perf_counter() - start
+    engine.scheduler.schedule, runner.execute, runner.collect = schedule, execute, collect
+    print(f"prefill: {len(steps)} steps in {elapsed:.3f} s (host under cProfile)")
+    print("step  decode rows  prefill tokens  step() ms  execute ms  collect ms  gpu ms")
+    for i, (step, following) in enumerate(zip(steps, steps[1:], strict=False)):
+        print(
+            f"{i:4d} {step.decode_rows:12d} {step.prefill_tokens:15d} {step.wall_ms:10.2f}"
+            f" {step.execute_ms:11.2f} {step.collect_ms:11.2f}"
+            f" {step.gpu_start.elapsed_time(following.gpu_start):7.2f}"
+        )
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue())
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests:
+        engine.step()
+
+    # Pass 2: GPU time by kernel.
+    add_all(1)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        while engine.scheduler.waiting or any(
-            s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
-        ):
+        while prefilling():
             engine.step()
         engine.step()
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    engine.scheduler.schedule = schedule
-    print(f"prefill: {len(steps)} steps in {elapsed:.3f} s (under the profiler)")
-    print("step  decode rows  prefill tokens  gpu ms (to the next step's start)")
-    for i, ((decodes, prefill, event), (_, _, following)) in enumerate(
-        zip(steps, steps[1:], strict=False)
-    ):
-        print(f"{i:4d} {decodes:12d} {prefill:15d}  {event.elapsed_time(following):8.2f}")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+
+
+@dataclass
+class PrefillStep:
+    decode_rows: int
+    prefill_tokens: int
+    gpu_start: torch.cuda.Event = field(
+        default_factory=lambda: torch.cuda.Event(enable_timing=True)
+    )
+    wall_ms: float = 0.0  # the engine.step() this step was scheduled in
+    execute_ms: float = 0.0
+    collect_ms: float = 0.0
 
 
 @dataclass
