@@ -3,13 +3,14 @@
 # leave one log (log.txt) and JSON results in $OUT (at most 8 files come back).
 # Run benchmarks/gpu/prepare_wheels.sh here first.
 #
-#   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache"])
+#   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
 # Steps (arguments, in any order): tests, kernels, attention, bench, bench-hf (adds transformers),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
-# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill. flashinfer's JIT cache lives in .ficache/ (git-ignored): carry it in,
-# and unpack the ficache.tar.gz.* parts that come back (cat them; 16 MiB per file comes back)
-# into .ficache/ for the next call.
+# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill. flashinfer's JIT cache lives in .ficache/ (git-ignored); it travels
+# as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
+# ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
+# next call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
@@ -19,6 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache MAX_JOBS=16
 mkdir -p .ficache
+[ -f .ficache.tgz ] && tar xzf .ficache.tgz -C .ficache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
 python3 -c 'import torch, flashinfer, triton; print(torch.__version__, flashinfer.__version__, triton.__version__)' \
   | tee -a "$OUT/log.txt"
