@@ -286,6 +286,31 @@ def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch):
     assert_greedy_close(llm.generate(prompts[:2], params[:2]), want[:2])
 
 
+def test_tensor_core_decode_matches_cuda_core(model_dir, monkeypatch):
+    # From TENSOR_CORE_MIN_BATCH sequences on, decode (graph and eager) runs on flashinfer's
+    # tensor-core kernels; 72 requests of uneven lengths cross that line both ways as they
+    # finish. The reference engine is built with the CUDA-core kernel at every batch size.
+    from engine.attention import flashinfer_backend
+
+    assert flashinfer_backend.TENSOR_CORE_MIN_BATCH <= 72
+    prompts = random_prompts(72, seed=21, lo=5, hi=120)
+    params = [greedy(4 + i % 24) for i in range(72)]
+    llm = gpu_llm(model_dir, num_blocks=1024, max_num_seqs=128)
+    decode_batches: list[int] = []
+    plan_graph = llm.engine.runner.attn.plan_graph
+    monkeypatch.setattr(
+        llm.engine.runner.attn,
+        "plan_graph",
+        lambda lens, *a: decode_batches.append(len(lens)) or plan_graph(lens, *a),
+    )
+    got = llm.generate(prompts, params)
+    assert max(decode_batches) >= 72 and min(decode_batches) < 64  # both kernels ran
+    del llm
+    monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_MIN_BATCH", 10**9)
+    cuda_cores = gpu_llm(model_dir, num_blocks=1024, max_num_seqs=128)
+    assert_greedy_close(got, cuda_cores.generate(prompts, params))
+
+
 def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
     # Lengths end every request by max_tokens, so both engines run the same batches step
     # for step and even sampled tokens must agree exactly.

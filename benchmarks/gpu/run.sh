@@ -5,7 +5,8 @@
 #
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
-# Steps (arguments, in any order): tests, kernels, attention, bench, bench-hf (adds transformers),
+# Steps (arguments, in any order): tests, kernels, linear, attention, bench, bench-hf (adds
+# transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill. flashinfer's JIT cache lives in .ficache/ (git-ignored); it travels
 # as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
@@ -36,6 +37,8 @@ for step in "$@"; do
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
         --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench-32k) python3 benchmarks/gpu_bench.py --max-num-batched-tokens 32768 \
+        --json-out "$OUT/gpu-qwen3-0.6b-32k.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-sync) python3 benchmarks/gpu_bench.py --no-async-scheduling \
         --json-out "$OUT/gpu-qwen3-0.6b-sync.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     serving) python3 -c "from pathlib import Path; from benchmarks.gpu_bench import SHAPES, write_random_model; \

@@ -33,9 +33,21 @@ from engine.attention.base import AttentionMetadata
 
 # flashinfer's float workspace holds split-KV partial results; 128 MiB is its recommendation.
 WORKSPACE_BYTES = 128 * 2**20
-# Above this many query heads per KV head, decode runs on the tensor-core (prefill) kernels;
-# the CUDA-core decode kernel is faster for small groups and only built for 1-4, 6 and 8.
+# Above this many query heads per KV head, decode always runs on the tensor-core (prefill)
+# kernels: the CUDA-core decode kernel is only built for groups of 1-4, 6 and 8.
 MAX_CUDA_CORE_GROUP = 4
+# From this many sequences on, decode runs on the tensor-core kernels too. The CUDA-core
+# kernel gives each (sequence, KV head) one thread block, so with uneven context lengths
+# its longest sequences run on alone after the rest are done; the tensor-core path splits
+# the KV into balanced chunks. Measured on the H200 at the offline workload's own decode
+# steps (benchmarks/gpu_attention.py, RESULTS.md): tensor cores 3.73-3.87 TB/s against
+# 3.09-3.56 at 101-256 sequences; at 48 the CUDA-core kernel is 7% faster.
+TENSOR_CORE_MIN_BATCH = 64
+
+
+def decode_uses_tensor_cores(batch_size: int, group_size: int) -> bool:
+    """Which flashinfer decode kernel a step of batch_size sequences runs."""
+    return group_size > MAX_CUDA_CORE_GROUP or batch_size >= TENSOR_CORE_MIN_BATCH
 
 
 @dataclass
@@ -125,18 +137,21 @@ class FlashInferAttention:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype
         self.scale = head_dim**-0.5  # what the model passes to forward(); checked there
-        self.use_tensor_cores = num_qo_heads // num_kv_heads > MAX_CUDA_CORE_GROUP
         # "Must be initialized to 0 for its first use" (flashinfer); shared by every wrapper,
         # which is safe because their kernels run one after another on one stream.
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._eager_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=self.use_tensor_cores
-        )
+        # Eager decode wrappers by kernel (tensor cores or not), picked per step.
+        self._eager_decode = {
+            tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=tensor_cores
+            )
+            for tensor_cores in {self._tensor_cores(1), self._tensor_cores(TENSOR_CORE_MIN_BATCH)}
+        }
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._graph_decode: dict[int, Any] = {}
         # What forward() runs this step: rows [0, num_decode_rows) through self._decode,
         # the rest through self._prefill.
-        self._decode = self._eager_decode
+        self._decode: Any = None
         self._num_decode_rows = 0
         # A wrapper's plan() stages its schedule in one pinned host buffer and copies it to
         # the device asynchronously; with the device running a step ahead (async
@@ -151,7 +166,8 @@ class FlashInferAttention:
             meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables_cpu, meta.block_size
         )
         indices_gpu = _to_gpu(pages.indices, self.device)
-        self._decode, self._num_decode_rows = self._eager_decode, pages.num_decodes
+        self._decode = self._eager_decode[self._tensor_cores(pages.num_decodes)]
+        self._num_decode_rows = pages.num_decodes
         if pages.num_decodes:
             self._plan_decode(
                 self._decode,
@@ -194,7 +210,7 @@ class FlashInferAttention:
             self._workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=self.use_tensor_cores,
+            use_tensor_cores=self._tensor_cores(batch_size),
             paged_kv_indptr_buffer=kv_indptr,
             paged_kv_indices_buffer=kv_indices,
             paged_kv_last_page_len_buffer=kv_last_page_len,
@@ -217,6 +233,9 @@ class FlashInferAttention:
         )
         self._decode, self._num_decode_rows = wrapper, len(seq_lens)
         self._plan_copied.record()
+
+    def _tensor_cores(self, batch_size: int) -> bool:
+        return decode_uses_tensor_cores(batch_size, self.num_qo_heads // self.num_kv_heads)
 
     def _plan_decode(
         self,
