@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -261,6 +261,20 @@ def percentiles(values: list[float]) -> dict:
 # ---- the server and the offline engine -----------------------------------------------
 
 
+def add_engine_args(
+    parser: argparse.ArgumentParser, used_by: str, max_num_seqs_help: str, **defaults
+) -> None:
+    """The engine flags engine_flags() reads, and how long to wait for a started server."""
+    engine = parser.add_argument_group(f"engine ({used_by})")
+    engine.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    engine.add_argument("--max-num-seqs", type=int, help=max_num_seqs_help)
+    engine.add_argument("--max-num-batched-tokens", type=int)
+    engine.add_argument("--num-blocks", type=int)
+    engine.add_argument("--kv-cache-memory-gib", type=float)
+    parser.add_argument("--server-timeout", type=float, default=300.0, help="s to wait for SERVING")
+    parser.set_defaults(**defaults)
+
+
 def engine_flags(args: argparse.Namespace) -> dict:
     """Engine settings shared by the started server and the offline engine (None: default)."""
     return {
@@ -272,14 +286,20 @@ def engine_flags(args: argparse.Namespace) -> dict:
     }
 
 
-@contextlib.contextmanager
-def started_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """Yields the server's address and pid."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def started_server(
+    args: argparse.Namespace, extra: Sequence[str] = ()
+) -> Iterator[tuple[str, int]]:
+    """Yields the server's address and pid; `extra` are more `serve` flags."""
+    port = free_port()
     cmd = [sys.executable, "-m", "service.cli", "serve", "--log-level", "WARNING"]
-    cmd += ["--host", "127.0.0.1", "--grpc-port", str(port), "--no-prefix-caching"]
+    cmd += ["--host", "127.0.0.1", "--grpc-port", str(port), "--no-prefix-caching", *extra]
     for name, value in engine_flags(args).items():
         if value is not None:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
@@ -386,13 +406,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=None, help="measurement seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
     add_workload_args(p, num_prompts=64)
-    engine = p.add_argument_group("engine (--start-server and --compare-offline)")
-    engine.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    engine.add_argument("--max-num-seqs", type=int, help="default: --concurrency")
-    engine.add_argument("--max-num-batched-tokens", type=int)
-    engine.add_argument("--num-blocks", type=int)
-    engine.add_argument("--kv-cache-memory-gib", type=float)
-    p.add_argument("--server-timeout", type=float, default=300.0, help="s to wait for SERVING")
+    add_engine_args(p, "--start-server and --compare-offline", "default: --concurrency")
     p.add_argument("--compare-offline", action="store_true", help="also run engine.llm.LLM")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()

@@ -132,11 +132,11 @@ class CpuShare:
         self._machine, self._ours = _machine_busy_s(), self._ours_s()
         return self
 
-    def stop(self) -> dict:
+    def stop(self, warn: bool = True) -> dict:
         machine = _machine_busy_s() - self._machine
         ours = self._ours_s() - self._ours
         others = max(0.0, machine - ours)
-        if others > 0.05 * machine:
+        if warn and others > 0.05 * machine:
             print(f"warning: other processes took {others:.0f} of {machine:.0f} busy CPU seconds")
         return {
             "machine_busy_s": round(machine, 1),

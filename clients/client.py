@@ -4,7 +4,9 @@ Both retry RESOURCE_EXHAUSTED (queue full) and UNAVAILABLE (starting, draining) 
 exponential backoff, waiting at least the server's `retry-after-ms` hint. A streaming
 call is retried only before its first message arrives, so no output is ever repeated.
 With an api_key, every call carries `authorization: Bearer <key>` metadata, which a server
-started with --api-key requires.
+started with --api-key requires. With `tls=True` or a `ca_file` the channel is TLS (the
+server's certificate checked against ca_file, or the system's CAs); `cert_file` and
+`key_file` present a client certificate to a server that requires one (mTLS).
 """
 
 from __future__ import annotations
@@ -45,9 +47,54 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
+def channel_credentials(
+    tls: bool = False,
+    ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files, or None for a plaintext channel (no TLS asked for)."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("cert_file and key_file go together (a client certificate and its key)")
+    if not (tls or ca_file or cert_file):
+        return None
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+
+
+def open_channel(
+    grpc_module,  # grpc.aio or grpc: the async or the blocking channel
+    target: str,
+    tls: bool,
+    ca_file: str | None,
+    cert_file: str | None,
+    key_file: str | None,
+):
+    credentials = channel_credentials(tls, ca_file, cert_file, key_file)
+    if credentials is None:
+        return grpc_module.insecure_channel(target)
+    return grpc_module.secure_channel(target, credentials)
+
+
 class AsyncInferenceClient:
-    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(), api_key: str | None = None):
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        retry: RetryPolicy = RetryPolicy(),
+        api_key: str | None = None,
+        *,
+        tls: bool = False,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ):
+        self._channel = open_channel(grpc.aio, target, tls, ca_file, cert_file, key_file)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._retry = retry
         self._metadata = auth_metadata(api_key)
@@ -107,8 +154,18 @@ class AsyncInferenceClient:
 class InferenceClient:
     """The blocking twin of AsyncInferenceClient, for scripts and threads."""
 
-    def __init__(self, target: str, retry: RetryPolicy = RetryPolicy(), api_key: str | None = None):
-        self._channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        retry: RetryPolicy = RetryPolicy(),
+        api_key: str | None = None,
+        *,
+        tls: bool = False,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ):
+        self._channel = open_channel(grpc, target, tls, ca_file, cert_file, key_file)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._retry = retry
         self._metadata = auth_metadata(api_key)

@@ -10,6 +10,7 @@ Chat templates render with the model's own jinja2 template (engine/chat_template
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,9 +69,32 @@ class Tokenizer:
             f"cannot load a tokenizer from {path}: expected an HF model directory or a .gguf file"
         )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text become their ids."""
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        max_tokens: int | None = None,
+        field: str = "prompt",
+    ) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text become their ids.
+
+        With max_tokens (a context length), text longer than max_tokens times the longest
+        vocabulary entry is refused (ValidationError on `field`) before it is encoded: it
+        cannot fit, and encoding megabytes holds the caller's thread for seconds."""
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise ValidationError(
+                field,
+                f"{len(text)} characters cannot fit in the context of {max_tokens} tokens "
+                f"(no token covers more than {self.max_token_chars} characters)",
+            )
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary entry (a
+        byte-level entry spells each byte as one character, so it bounds the text too)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -103,7 +103,12 @@ def cmd_client_generate(args: argparse.Namespace, settings: Settings) -> int:
     if args.seed is not None:
         request.sampling.seed = args.seed
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    with InferenceClient(args.target, api_key=api_key) as client:
+    tls = dict(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
+    try:
+        client = InferenceClient(args.target, api_key=api_key, **tls)
+    except (OSError, ValueError) as exc:  # a TLS file missing, or a certificate without key
+        raise ConfigError(f"client TLS: {exc}") from None
+    with client:
         if args.stream:
             for message in client.stream(request, timeout=args.timeout):
                 print(message.text, end="", flush=True)
@@ -170,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     cgen.add_argument(
         "--api-key", default=None, help="the server's API key (default: env PAGEDSERVE_API_KEY)"
     )
+    cgen.add_argument("--tls", action="store_true", help="TLS, checked against the system CAs")
+    cgen.add_argument("--ca-file", help="TLS, the server's certificate checked against this CA")
+    cgen.add_argument("--cert-file", help="client certificate (PEM) for a server that wants mTLS")
+    cgen.add_argument("--key-file", help="the client certificate's key (PEM)")
     cgen.set_defaults(func=cmd_client_generate)
 
     models = sub.add_parser("models", help="the local model cache")

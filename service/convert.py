@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestTiming, TokenLogprob, Usage
 from engine.sampling_params import SamplingParams
@@ -17,6 +20,63 @@ _FINISH_REASONS = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
     FinishReason.CONTEXT_LIMIT: pb.FINISH_REASON_CONTEXT_LIMIT,
 }
+
+
+def parse(message_type: type[Message], data: bytes) -> Message:
+    """A request message from its wire bytes; ValidationError naming the field when they do
+    not parse (a string that is not UTF-8, a corrupt wire format) instead of grpc.aio's
+    UNKNOWN for a deserializer's exception."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        name = message_type.DESCRIPTOR.full_name
+        field = _bad_utf8_field(message_type.DESCRIPTOR, data)
+        if field is not None:
+            raise ValidationError(field, "is not valid UTF-8") from None
+        raise ValidationError("request", f"is not a valid {name} message: {exc}") from None
+
+
+def _bad_utf8_field(descriptor: Descriptor, data: bytes) -> str | None:
+    """The dotted name of the first string field in `data` that is not UTF-8, read off the
+    wire format (a protobuf parser only says that one is not); None if there is none or the
+    bytes are not a message at all."""
+    pos = 0
+    try:
+        while pos < len(data):
+            tag, pos = _varint(data, pos)
+            kind, field = tag & 7, descriptor.fields_by_number.get(tag >> 3)
+            if kind == 0:
+                _, pos = _varint(data, pos)
+            elif kind in (1, 5):
+                pos += 8 if kind == 1 else 4
+            elif kind == 2:
+                size, pos = _varint(data, pos)
+                value, pos = data[pos : pos + size], pos + size
+                if field is None:
+                    continue
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    value.decode("utf-8")
+                elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                    inner = _bad_utf8_field(field.message_type, value)
+                    if inner is not None:
+                        return f"{field.name}.{inner}"
+            else:
+                return None
+    except UnicodeDecodeError:
+        return field.name
+    except IndexError:
+        return None
+    return None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
@@ -56,24 +116,30 @@ def prompt_token_ids(
     request: pb.GenerateRequest | pb.TokenizeRequest,
     tokenizer: Tokenizer,
     add_special_tokens: bool = True,
+    max_tokens: int | None = None,
 ) -> list[int]:
-    """Token ids of the prompt, whichever of text / chat / token_ids the request carries."""
+    """Token ids of the prompt, whichever of text / chat / token_ids the request carries.
+    With max_tokens (the context length), text that cannot fit is refused unencoded."""
     kind = request.WhichOneof("prompt" if isinstance(request, pb.GenerateRequest) else "input")
     if kind is None:
         raise ValidationError("prompt", "set one of text, chat or token_ids")
     if kind == "text":
-        return tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(
+            request.text, add_special_tokens=add_special_tokens, max_tokens=max_tokens
+        )
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return chat_token_ids(messages, tokenizer)
+        return chat_token_ids(messages, tokenizer, max_tokens)
     return list(request.token_ids.ids)
 
 
-def chat_token_ids(messages: list[dict], tokenizer: Tokenizer) -> list[int]:
+def chat_token_ids(
+    messages: list[dict], tokenizer: Tokenizer, max_tokens: int | None = None
+) -> list[int]:
     """The prompt for chat messages: the model's own template, with the assistant's turn
     opened. The template writes the special tokens itself, so encoding adds none."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens, field="messages")
 
 
 def token_logprobs(

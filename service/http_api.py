@@ -9,8 +9,8 @@ OpenAI's JSON, or its SSE chunks when streaming. A client that goes away mid-str
 its requests, which frees their KV blocks.
 
 Errors use OpenAI's envelope, {"error": {"message", "type", "param", "code"}}: 400
-validation, 401 API key, 404 unknown model, 429 queue full (Retry-After), 503 loading or
-draining, 500 engine fault.
+validation, 401 API key, 404 unknown model, 413 body over max_message_bytes, 429 queue full
+(Retry-After), 503 loading or draining, 500 engine fault.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +33,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from engine.async_engine import (
     AsyncEngine,
@@ -49,7 +52,14 @@ from service.openai_schema import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from service.server import InferenceService, ServiceUnavailable, UnknownModel, authorized
+from service.server import (
+    InferenceService,
+    ServerConfig,
+    ServiceUnavailable,
+    UnknownModel,
+    authorized,
+)
+from service.tls import TlsFiles
 
 RETRY_AFTER_SECONDS = "1"  # HTTP's Retry-After counts whole seconds
 _FINISH_REASONS = {
@@ -118,9 +128,15 @@ def api_error(exc: Exception, param_names: dict[str, str] | None = None) -> ApiE
     return ApiError(500, f"{type(exc).__name__}: {exc}", "internal_error", code="engine_error")
 
 
-def create_app(service: InferenceService, api_key: str | None = None) -> FastAPI:
-    """The REST app over `service`'s engine; with api_key, /v1 and /tokenize need the key."""
+def create_app(
+    service: InferenceService,
+    api_key: str | None = None,
+    max_body_bytes: int = ServerConfig.max_message_bytes,
+) -> FastAPI:
+    """The REST app over `service`'s engine; with api_key, /v1 and /tokenize need the key.
+    Bodies over max_body_bytes get 413 before they are read whole."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -129,10 +145,32 @@ def create_app(service: InferenceService, api_key: str | None = None) -> FastAPI
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
-        return ApiError(400, message, param=param).response()
+        if first.get("type") == "json_invalid":  # loc is ("body", position)
+            detail = first.get("ctx", {}).get("error", "")
+            message = f"body: not valid JSON ({detail} at position {first['loc'][-1]})"
+            return ApiError(400, message, param="body").response()
+        if isinstance(first.get("input"), bytes):  # not parsed: not sent as JSON
+            message = "body: must be a JSON object, sent with Content-Type: application/json"
+            return ApiError(400, message, param="body").response()
+        # A field of several types (prompt: str | list[...]) fails once per type, each loc
+        # ending in the type's tag: name the field itself, and what each type wanted.
+        same = [e for e in exc.errors() if e["loc"][:2] == first.get("loc", ())[:2]]
+        loc = [str(part) for part in os.path.commonprefix([e["loc"] for e in same])][1:]
+        # Field names and indexes as they are; a dict's keys (logit_bias) quoted.
+        param = ".".join(p if p.isidentifier() or p.isdigit() else repr(p) for p in loc) or "body"
+        wanted = ", or ".join(dict.fromkeys(e["msg"] for e in same[:4]))
+        return ApiError(400, f"{param}: {wanted or 'invalid'}", param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (an unknown path, a body that is not UTF-8, 413) in
+        OpenAI's envelope too."""
+        if exc.status_code in (400, 413):
+            cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+            message, param = f"body: {exc.detail}{cause}", "body"
+        else:
+            message, param = f"{request.method} {request.url.path}: {exc.detail}", None
+        return ApiError(exc.status_code, message, param=param, headers=exc.headers).response()
 
     async def require_key(request: Request) -> None:
         if not authorized(request.headers.get("authorization"), api_key):
@@ -148,13 +186,14 @@ def create_app(service: InferenceService, api_key: str | None = None) -> FastAPI
 
     @app.get("/health")
     async def health() -> Response:
-        """200 only while a live engine takes work: loading, draining or a dead loop is 503."""
+        """200 only while a live engine takes work: loading, draining, a dead loop or one the
+        watchdog found stuck is 503."""
         try:
             engine = service.ready_engine()
         except ServiceUnavailable as exc:
             return api_error(exc).response()
-        if not engine.is_alive:
-            message = engine.fatal_error or "the engine loop is stopped"
+        if not engine.is_alive or service.fault is not None:
+            message = service.fault or engine.fatal_error or "the engine loop is stopped"
             return ApiError(503, message, "service_unavailable").response()
         return JSONResponse({"status": "ok"})
 
@@ -286,22 +325,29 @@ class _Api:
             self.service.check_model(body.model or "")
             params = body.sampling_params()
             tokenizer = engine.tokenizer
-            prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+            limit = engine.info.max_model_len
+            prompts = [
+                p if isinstance(p, list) else tokenizer.encode(p, max_tokens=limit)
+                for p in body.prompts()
+            ]
         except Exception as exc:
             raise api_error(exc) from None
-        echo = [tokenizer.decode(p) if body.echo else "" for p in prompts]
-        gen = await self._submit(engine, "cmpl", "completion", prompts, params, body.priority, {})
-        gen.echo_texts = echo
+        names = {"prompt_token_ids": "prompt"}
+        gen = await self._submit(
+            engine, "cmpl", "completion", prompts, params, body.priority, names
+        )
+        # After the engine checked the ids: decoding one that is not a token id can raise.
+        gen.echo_texts = [tokenizer.decode(p) if body.echo else "" for p in prompts]
         return await self._respond(gen, engine.tokenizer, body.stream, body.include_usage)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         engine = self.engine()
-        names = ChatCompletionRequest.PARAM_NAMES
+        names = body.param_names()
         try:
             self.service.check_model(body.model or "")
             params = body.sampling_params()
             messages = [m.as_dict() for m in body.messages]
-            prompt = convert.chat_token_ids(messages, engine.tokenizer)
+            prompt = convert.chat_token_ids(messages, engine.tokenizer, engine.info.max_model_len)
         except Exception as exc:
             raise api_error(exc, names) from None
         gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body.priority, names)
@@ -332,6 +378,7 @@ class _Api:
                 self._record(kind, error.status, [])
                 raise error from None
             raise
+        self.service.log_prompts(gen_id, prompts)
         model = self.service.model_name
         echo = [""] * len(prompts)
         wants = params.logprobs is not None
@@ -363,6 +410,9 @@ class _Api:
             raise
         finally:
             self._record(gen.kind, status[0], gen.finals)
+            if self.service.log_requests:
+                texts = [gen.choices[i].text for i in sorted(gen.choices)]
+                self.service.log_outputs(gen.id, texts)
 
     def _record(self, kind: str, status: int, finals: list[CandidateEvent]) -> None:
         rpc = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -505,6 +555,35 @@ class _Api:
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
+class _BodyLimit:
+    """ASGI middleware: 413 for a request body over max_bytes, at once when its
+    Content-Length says so, else as soon as the bytes read pass the limit; so an over-large
+    body is never held in memory whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"larger than the server's limit of {self.max_bytes} bytes (max_message_bytes)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            error = ApiError(413, f"body: {message}", param="body", code="body_too_large")
+            return await error.response()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            event = await receive()
+            seen += len(event.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, message)
+            return event
+
+        await self.app(scope, limited_receive, send)
+
+
 class _EventStream(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, however the response ends,
     so a client that left cancels its engine requests at once rather than at GC time."""
@@ -532,21 +611,25 @@ def _sse_data(payload: dict[str, Any]) -> str:
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CandidateEvent]]:
-    """(prompt index, event) from every stream as they come; leaving early cancels them all."""
+    """(prompt index, event) from every stream as they come; leaving early cancels them all.
+    The hand-over queue is bounded: a consumer that stops reading stops the pumps too, so
+    each stream's own mailbox fills and cancels its request (a slow reader fails alone)."""
     if len(streams) == 1:
         async for event in streams[0]:
             yield 0, event
         return
-    queue: asyncio.Queue[tuple[int, CandidateEvent | Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, CandidateEvent | Exception | None]] = asyncio.Queue(
+        maxsize=len(streams)
+    )
 
     async def pump(i: int, stream: RequestStream) -> None:
+        end: Exception | None = None
         try:
             async for event in stream:
-                queue.put_nowait((i, event))
+                await queue.put((i, event))
         except Exception as exc:
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
+            end = exc
+        await queue.put((i, end))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -615,6 +698,16 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+def _ssl_options(tls: TlsFiles | None) -> dict[str, Any]:
+    """uvicorn's TLS settings for the same files the gRPC port uses."""
+    if tls is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+    if tls.mutual:
+        options |= {"ssl_ca_certs": tls.client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return options
+
+
 @dataclass
 class HttpServer:
     server: uvicorn.Server
@@ -632,19 +725,23 @@ async def start_http(
     port: int,
     api_key: str | None = None,
     log_level: str = "warning",
+    tls: TlsFiles | None = None,
+    max_body_bytes: int = ServerConfig.max_message_bytes,
 ) -> HttpServer:
     """Serve the REST app on the running loop; returns once it listens (port 0: any free
-    port, the bound one is HttpServer.port)."""
+    port, the bound one is HttpServer.port). With tls, HTTPS; with its client CA, clients
+    must present a certificate that chains to it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     config = uvicorn.Config(
-        create_app(service, api_key),
+        create_app(service, api_key, max_body_bytes),
         log_level=log_level,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=1,  # the drain has already waited for work in flight
+        **_ssl_options(tls),
     )
     server = _Uvicorn(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -10,14 +10,35 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
 
 
+def _no_surrogates(value: Any) -> Any:
+    """JSON may spell a lone UTF-16 surrogate ("\\ud800"), which is no character: no
+    tokenizer or UTF-8 encoder takes it, so it is refused here, naming its field."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            message = f"is not valid Unicode text: a lone UTF-16 surrogate at index {exc.start}"
+            raise ValueError(message) from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _no_surrogates(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_surrogates(key)
+            _no_surrogates(item)
+    return value
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    _check_text = field_validator("*", mode="before")(_no_surrogates)  # nested ones too
 
 
 class StreamOptions(_Body):
@@ -142,11 +163,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
-    # SamplingParams' field -> the name this API gives it, for error messages
-    PARAM_NAMES: ClassVar[dict[str, str]] = {
-        "logprobs": "top_logprobs",
-        "max_tokens": "max_completion_tokens",
-    }
+    def param_names(self) -> dict[str, str]:
+        """The engine's names for fields (SamplingParams', admission's) -> the ones this
+        request used, for error messages."""
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"logprobs": "top_logprobs", "max_tokens": max_tokens, "prompt": "messages"}
 
     def sampling_params(self) -> SamplingParams:
         if self.tools:

@@ -43,12 +43,15 @@ from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert
 from service.metrics import ServerMetrics, rpc_status
+from service.tls import TlsFiles, caller_scope, check_tls_files, read_pem
 from service.tracing import TRACE_EXPORTERS, RequestTracer, configure_tracing
 
 if TYPE_CHECKING:
     from service.http_api import HttpServer
 
 log = logging.getLogger(__name__)
+# Prompts and outputs, at INFO, only with log_requests; nothing else here logs request content.
+request_log = logging.getLogger("service.requests")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
@@ -77,9 +80,18 @@ class ServerConfig:
     http_port: int | None = None  # the OpenAI-compatible REST shim; None: off
     # Callers must send "Authorization: Bearer <key>" (REST header, gRPC metadata); None: off.
     api_key: str | None = field(default=None, repr=False)  # never in logs
+    # TLS on the gRPC port and the REST shim (PEM files); with a client CA, mTLS: callers
+    # must present a certificate that chains to it. Files are checked here, at config time.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # A plaintext gRPC port with only the health service, for probes that cannot do TLS
+    # (Kubernetes' grpc probe); None: health only on grpc_port.
+    health_port: int | None = None
+    log_requests: bool = False  # prompts and outputs in the log (logger service.requests)
 
     def __post_init__(self) -> None:
-        for name in ("grpc_port", "metrics_port", "http_port"):
+        for name in ("grpc_port", "metrics_port", "http_port", "health_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValidationError(name, f"must be a port in [0, 65535], got {port}")
@@ -109,6 +121,22 @@ class ServerConfig:
                 raise ValidationError(name, "must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValidationError("api_key", "must not be empty or blank")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise ValidationError(missing, "must be set too: TLS needs a certificate and its key")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValidationError(
+                "tls_client_ca_file", "needs tls_cert_file and tls_key_file (mTLS is TLS too)"
+            )
+        if self.tls_cert_file is not None:
+            check_tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The TLS files of both the gRPC port and the REST shim; None: plaintext."""
+        if self.tls_cert_file is None:
+            return None
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
 
 class ServiceUnavailable(EngineError):
@@ -164,6 +192,38 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+class ParseInterceptor(grpc.aio.ServerInterceptor):
+    """Inference requests whose bytes do not parse (a string that is not UTF-8, a corrupt
+    wire format) get INVALID_ARGUMENT naming the field; grpc.aio would answer UNKNOWN."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        service, _, name = handler_call_details.method.rpartition("/")
+        if handler is None or service != f"/{SERVICE_NAME}":
+            return handler
+        method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[name]
+        message_type = getattr(pb, method.input_type.name)
+
+        async def parsed(data: bytes, context):
+            try:
+                return convert.parse(message_type, data)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        async def unary(data: bytes, context):
+            return await handler.unary_unary(await parsed(data, context), context)
+
+        async def stream(data: bytes, context):
+            async for message in handler.unary_stream(await parsed(data, context), context):
+                yield message
+
+        if handler.response_streaming:
+            make, behavior = grpc.unary_stream_rpc_method_handler, stream
+        else:
+            make, behavior = grpc.unary_unary_rpc_method_handler, unary
+        return make(behavior, response_serializer=handler.response_serializer)
+
+
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     """The RPCs. Until a warm engine is attached (and again once draining) they answer
     UNAVAILABLE, so a client retries elsewhere instead of waiting on a cold pod."""
@@ -174,6 +234,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.tracer = tracer
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None)
         self.draining = False
+        self.fault: str | None = None  # the watchdog's verdict: this engine serves no more
+        self.log_requests = False  # ServerConfig.log_requests
+        self.max_message_bytes = ServerConfig.max_message_bytes  # a unary response's limit
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -223,6 +286,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 f"model: {name!r} is not served here (this server serves {self.model_name!r})"
             )
 
+    def log_prompts(self, request_id: str, prompts: list[list[int]]) -> None:
+        """The prompts of a request just queued, if log_requests; at any level, never else."""
+        if self.log_requests and self.engine is not None:
+            texts = [self.engine.tokenizer.decode(p) for p in prompts]
+            request_log.info("%s: prompt %r", request_id, texts if len(texts) > 1 else texts[0])
+
+    def log_outputs(self, request_id: str, outputs: list[str]) -> None:
+        """The outputs of a request that ended (by any door), if log_requests."""
+        if self.log_requests:
+            request_log.info("%s: output %r", request_id, outputs)
+
     @contextlib.contextmanager
     def in_flight_call(self) -> Iterator[None]:
         """Count a generation in flight, so a drain waits for it."""
@@ -254,30 +328,53 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         await _abort_on_engine_fault(event, context)
             except StreamOverflow as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return convert.generate_response(request_id, n, events, engine.tokenizer)
+            finally:
+                if self.log_requests:
+                    texts = [""] * n
+                    for event in events:
+                        texts[event.index] += event.text
+                    self.log_outputs(stream.request_id, texts)
+            response = convert.generate_response(request_id, n, events, engine.tokenizer)
+            if (size := response.ByteSize()) > self.max_message_bytes:  # else gRPC fails it
+                message = (
+                    f"response: {size} bytes, over max_message_bytes ({self.max_message_bytes}); "
+                    "ask for fewer candidates, tokens or logprobs, or use StreamGenerate"
+                )
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            return response
 
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         with self._observed("StreamGenerate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            _, _, stream = await self._submit(engine, request, context)
+            request_id, n, stream = await self._submit(engine, request, context)
             tokenizer = engine.tokenizer
+            texts = [""] * n  # filled only with log_requests
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
                     if event.finished:
                         finals.append(event)
                         await _abort_on_engine_fault(event, context)
-                    yield convert.stream_message(event, tokenizer)
+                    if self.log_requests:
+                        texts[event.index] += event.text
+                    message = convert.stream_message(event, tokenizer)
+                    message.request_id = request_id  # the caller's id, not the engine's
+                    yield message
             except StreamOverflow as exc:  # this client stopped reading; it alone fails
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            finally:
+                self.log_outputs(stream.request_id, texts)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         with self._observed("Cancel", context):
             if self.engine is None:  # a draining server still cancels: that only frees work
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-            live = self.engine.is_running(request.request_id)
-            self.engine.cancel(request.request_id)
+            # Only the caller's own requests: under mTLS another caller's equal id is another
+            # engine request (engine_request_id), which this never names.
+            request_id = engine_request_id(caller_scope(context), request.request_id)
+            live = self.engine.is_running(request_id)
+            self.engine.cancel(request_id)
             return pb.CancelResponse(cancelled=live)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
@@ -311,20 +408,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _submit(
         self, engine: AsyncEngine, request: pb.GenerateRequest, context
     ) -> tuple[str, int, RequestStream]:
-        """Validate, tokenize and queue; aborts the RPC with the right status on failure."""
-        request_id = request.request_id or uuid.uuid4().hex
+        """Validate, tokenize and queue; aborts the RPC with the right status on failure.
+        Returns the caller's request id; the stream carries the engine's (engine_request_id)."""
+        request_id = request.request_id or uuid.uuid4().hex  # 122 random bits: unguessable
+        engine_id = engine_request_id(caller_scope(context), request_id)
         try:
             self.check_model(request.model)
             params = convert.sampling_params(request)
-            token_ids = convert.prompt_token_ids(request, engine.tokenizer)
-            stream = await engine.submit(request_id, token_ids, params, request.priority)
-        except ValidationError as exc:
-            code = (
-                grpc.StatusCode.ALREADY_EXISTS
-                if exc.field == "request_id"
-                else grpc.StatusCode.INVALID_ARGUMENT
+            token_ids = convert.prompt_token_ids(
+                request, engine.tokenizer, max_tokens=engine.info.max_model_len
             )
-            await context.abort(code, str(exc))
+            stream = await engine.submit(engine_id, token_ids, params, request.priority)
+        except ValidationError as exc:
+            if exc.field == "request_id":  # the caller's own request with this id is running
+                message = f"request_id: {request_id!r} is already running"
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineOverloaded as exc:
             context.set_trailing_metadata((("retry-after-ms", RETRY_AFTER_MS),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -332,7 +431,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except UnknownModel as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        self.log_prompts(engine_id, [token_ids])
         return request_id, params.n, stream
+
+
+def engine_request_id(scope: str, request_id: str) -> str:
+    """The engine's id for a caller's request id. Under mTLS each caller (client
+    certificate) has its own ids: two callers may use the same one at once, and neither can
+    cancel the other's. Without client certificates all callers are one principal: their ids
+    are the engine's, so pick unguessable ones (or leave them to the server, uuid4)."""
+    return f"{request_id}@{scope}" if scope else request_id
 
 
 async def _abort_on_engine_fault(final: CandidateEvent, context) -> None:
@@ -352,6 +460,8 @@ class Server:
     metrics_port: int | None  # the bound /metrics port, None when off
     http: HttpServer | None = None  # the REST shim, None when off
     watchdog: asyncio.Task | None = None  # watch_engine's task, None until started
+    health_server: grpc.aio.Server | None = None  # plaintext, health only; None when off
+    health_port: int | None = None
 
     @property
     def http_port(self) -> int | None:
@@ -382,6 +492,7 @@ class Server:
         while (fault := engine_fault(engine, stall_seconds)) is None:
             await asyncio.sleep(every)
         log.error("%s; health is NOT_SERVING for a restart", fault)
+        self.service.fault = fault  # REST /health says so too
         for name in (SERVICE_NAME, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -391,6 +502,8 @@ class Server:
         if self.http is not None:
             await self.http.stop()
         await self.grpc_server.stop(None)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await asyncio.to_thread(self.service.tracer.shutdown)  # flushes queued spans
         await asyncio.to_thread(self.service.metrics.stop_http_server)
 
@@ -412,8 +525,13 @@ async def start_server(config: ServerConfig) -> Server:
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key is not None else []
+    interceptors.append(ParseInterceptor())  # innermost: a refused key never parses
     grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
+    service.log_requests = config.log_requests
+    service.max_message_bytes = config.max_message_bytes
+    # Whatever log_level says: asking for them means showing them.
+    request_log.setLevel(logging.INFO if config.log_requests else logging.NOTSET)
     # Up before the model loads, so a scrape during a slow start still answers.
     metrics_port = None
     if config.metrics_port is not None:
@@ -424,16 +542,52 @@ async def start_server(config: ServerConfig) -> Server:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
     )
-    port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    address = f"{config.host}:{config.grpc_port}"
+    if config.tls is not None:
+        port = grpc_server.add_secure_port(address, server_credentials(config.tls))
+    else:
+        port = grpc_server.add_insecure_port(address)
     await grpc_server.start()
+    health_server = health_port = None
+    if config.health_port is not None:  # the same servicer: one status, two doors
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+        await health_server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     http = None
     if config.http_port is not None:
         from service.http_api import start_http  # fastapi is imported only when REST is on
 
-        http = await start_http(service, config.http_host, config.http_port, config.api_key)
-    return Server(grpc_server, health_servicer, service, port, metrics_port, http)
+        http = await start_http(
+            service,
+            config.http_host,
+            config.http_port,
+            config.api_key,
+            tls=config.tls,
+            max_body_bytes=config.max_message_bytes,  # one size limit for both doors
+        )
+    return Server(
+        grpc_server,
+        health_servicer,
+        service,
+        port,
+        metrics_port,
+        http,
+        health_server=health_server,
+        health_port=health_port,
+    )
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """TLS from PEM files; with a client CA, client certificates are required and must
+    chain to it (the handshake fails without one)."""
+    return grpc.ssl_server_credentials(
+        [(read_pem(tls.key_file), read_pem(tls.cert_file))],
+        root_certificates=read_pem(tls.client_ca_file) if tls.mutual else None,
+        require_client_auth=tls.mutual,
+    )
 
 
 def load_engine(engine_config: EngineConfig, config: ServerConfig) -> AsyncEngine:
@@ -483,9 +637,12 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(config)
-    log.info("gRPC on %s:%d; loading the model", config.host, server.port)
+    tls = "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS"
+    log.info("gRPC (%s) on %s:%d; loading the model", tls, config.host, server.port)
+    if server.health_port is not None:
+        log.info("gRPC health (plaintext) on %s:%d", config.host, server.health_port)
     if server.http is not None:
-        log.info("REST (OpenAI-compatible) on %s:%d", config.http_host, server.http.port)
+        log.info("REST (OpenAI-compatible, %s) on %s:%d", tls, config.http_host, server.http.port)
     # Off the loop, so health checks are answered (NOT_SERVING) while the model loads.
     engine = await run_on_own_thread(load_engine, engine_config, config)
     await warm_up(engine)

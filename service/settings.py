@@ -165,7 +165,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _setting("server", "host", "address the gRPC server binds"),
     _setting("server", "grpc_port", "gRPC port (0: any free port)"),
-    _setting("server", "max_message_bytes", "largest gRPC message, either way"),
+    _setting(
+        "server", "max_message_bytes", "largest gRPC message, either way, and REST body (413)"
+    ),
     _setting("server", "max_queued_requests", "the engine's bounded request queue"),
     _setting(
         "server", "mailbox_size", "events a candidate may have unread before its stream fails"
@@ -197,6 +199,31 @@ SETTINGS: tuple[Setting, ...] = (
         "api_key",
         "callers must send Authorization: Bearer <key> (REST header, gRPC metadata; health "
         "and reflection stay open); unset: no key. Prefer the env var to the flag",
+    ),
+    _setting(
+        "server",
+        "tls_cert_file",
+        "PEM certificate (chain) for TLS on the gRPC port and the REST shim; with "
+        "tls_key_file. Unset: plaintext",
+    ),
+    _setting("server", "tls_key_file", "PEM private key of tls_cert_file (unencrypted)"),
+    _setting(
+        "server",
+        "tls_client_ca_file",
+        "PEM CA bundle: with it (mTLS) callers of both ports must present a client "
+        "certificate signed by it; request ids are then scoped per certificate. Unset: none asked",
+    ),
+    _setting(
+        "server",
+        "health_port",
+        "a plaintext gRPC port serving only the health service, for probes that cannot do "
+        "TLS (Kubernetes' grpc probe); unset: health only on grpc_port",
+    ),
+    _setting(
+        "server",
+        "log_requests",
+        "log every request's prompt and output (logger service.requests, at INFO whatever "
+        "log_level); off: request content never reaches the log, at any level",
     ),
     # Logging configures the process itself, so it has no config dataclass.
     Setting(

@@ -28,6 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Every sample of a /metrics scrape, keyed `name{label="v",...}` (labels sorted)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen
@@ -40,15 +51,7 @@ class ServerProcess:
         return f"127.0.0.1:{self.grpc_port}"
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of a /metrics scrape, keyed `name{label="v",...}` (labels sorted)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
+        return scrape_metrics(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def wait_for_metric(self, name: str, value: float, timeout: float = 10) -> float:
         """Poll until the metric equals value; returns the last value seen."""

@@ -23,6 +23,7 @@ from service.settings import (
     resolve_settings,
     toml_literal,
 )
+from tests.tls_certs import Pki, write_pki
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -175,8 +176,29 @@ SAMPLES = {
     "http_host": "0.0.0.0",
     "http_port": 8000,
     "api_key": "s3cret",
+    "tls_cert_file": "<pki>",  # real files, from the pki fixture: see tls_sample()
+    "tls_key_file": "<pki>",
+    "tls_client_ca_file": "<pki>",
+    "health_port": 50052,
+    "log_requests": True,
     "log_level": "INFO",
 }
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return write_pki(tmp_path_factory.mktemp("pki"))
+
+
+def tls_sample(pki: Pki, name: str) -> tuple[str, dict[str, str]]:
+    """A TLS file setting's sample value and the settings it needs beside it (as env vars)."""
+    files = {
+        "tls_cert_file": str(pki.server_cert),
+        "tls_key_file": str(pki.server_key),
+        "tls_client_ca_file": str(pki.ca),
+    }
+    needs = {"tls_cert_file", "tls_key_file"} - {name}
+    return files[name], {f"PAGEDSERVE_{n.upper()}": files[n] for n in needs}
 
 
 def configured(settings: Settings, s: Setting) -> object:
@@ -198,17 +220,20 @@ def test_samples_cover_every_setting():
 
 @pytest.mark.parametrize("s", SETTINGS, ids=lambda s: s.name)
 @pytest.mark.parametrize("way", ["flag", "env", "file"])
-def test_every_setting_is_settable_every_way(tmp_path, s, way):
-    value = SAMPLES[s.name]
+def test_every_setting_is_settable_every_way(tmp_path, pki, s, way):
+    value, env = SAMPLES[s.name], {}
+    if value == "<pki>":
+        value, env = tls_sample(pki, s.name)
     text = str(value).lower() if isinstance(value, bool) else str(value)
     if way == "flag" and s.kind is bool:
-        settings = resolve([f"--{'' if value else 'no-'}{s.flag}"])
+        settings = resolve([f"--{'' if value else 'no-'}{s.flag}"], env)
     elif way == "flag":
-        settings = resolve([f"--{s.flag}", text])
+        settings = resolve([f"--{s.flag}", text], env)
     elif way == "env":
-        settings = resolve([], {s.env: text})
+        settings = resolve([], {**env, s.env: text})
     else:
-        settings = resolve(["--config", write(tmp_path, f"{s.name} = {toml_literal(value)}\n")])
+        config = write(tmp_path, f"{s.name} = {toml_literal(value)}\n")
+        settings = resolve(["--config", config], env)
     assert configured(settings, s) == value
 
 

@@ -3,12 +3,16 @@ cancelled at random moments through all three doors (the Cancel RPC, the client 
 away, the deadline) while queued, mid-prefill (long prompts, chunked into small steps)
 and mid-decode. Afterwards nothing is left behind: no KV block used, no request running
 or waiting, no extra asyncio task or thread, and the server still generates correctly.
-The long version (thousands of requests, minutes) is to be a script under benchmarks/."""
+The long version is this test with STORM_REQUESTS set (docs/RELIABILITY.md):
+
+    STORM_REQUESTS=1000 python -m pytest -q -s tests/reliability/test_abort_storm.py
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import random
 import threading
 import time
@@ -17,13 +21,15 @@ import grpc
 import pytest
 
 from engine.llm import LLM
+from engine.request import SequenceStatus
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from tests.test_grpc_server import greedy, serving
 from tests.tiny_models import write_tiny_model
 
-NUM_REQUESTS = 200  # CI-sized
+NUM_REQUESTS = int(os.environ.get("STORM_REQUESTS", 200))  # CI-sized unless set
+ARRIVAL_SECONDS = NUM_REQUESTS / 100  # arrivals spread at 100 requests/s on average
 SEED = 7
 DOORS = ("cancel_rpc", "client_cancel", "deadline")
 # Few running slots so many requests queue; small steps so long prompts prefill in chunks.
@@ -51,11 +57,16 @@ async def consume(call) -> tuple[list[pb.GenerateStreamResponse], BaseException 
 
 def phase(core, request_id: str) -> str:
     """Where the engine has a request now (read from the event loop: a label, not a fact to
-    rely on): queued (not admitted, or admitted with nothing computed), prefill or decode."""
+    rely on): queued (not admitted, or admitted with nothing computed), prefill, decode,
+    preempted (waiting to be recomputed) or recompute (prefilling again after that)."""
     request = core.requests.get(request_id)
     if request is None:
         return "queued"
     seq = request.sequences[0]
+    if seq.num_preemptions and seq.status is SequenceStatus.WAITING:
+        return "preempted"
+    if seq.num_preemptions and seq.num_uncomputed_tokens > 1:
+        return "recompute"
     if seq.num_computed_tokens == 0:
         return "queued"
     return "prefill" if seq.num_computed_tokens < seq.num_prompt_tokens else "decode"
@@ -71,7 +82,7 @@ async def one_request(stub, core, i: int, rng: random.Random) -> tuple[str, str,
         request_id=f"storm-{i}", token_ids=pb.TokenIds(ids=ids), **greedy(max_tokens)
     )
     delay = rng.uniform(0.0, 2.0)
-    await asyncio.sleep(rng.uniform(0.0, 2.0))  # arrivals spread over two seconds
+    await asyncio.sleep(rng.uniform(0.0, ARRIVAL_SECONDS))
     call = stub.StreamGenerate(request, timeout=delay + 0.05 if door == "deadline" else 120)
     reading = asyncio.ensure_future(consume(call))
     when = "-"

@@ -11,6 +11,7 @@ import threading
 import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -68,7 +69,8 @@ def patch_execute(core, before_step) -> None:
 
 
 async def test_a_stuck_loop_turns_liveness_and_readiness_not_serving(tiny_model):
-    async with serving(tiny_model) as (srv, core, engine):
+    config = ServerConfig(grpc_port=0, http_port=0)
+    async with serving(tiny_model, config) as (srv, core, engine):
         srv.watch_engine(STALL_SECONDS, every=EVERY)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             health = Health(channel)
@@ -90,6 +92,9 @@ async def test_a_stuck_loop_turns_liveness_and_readiness_not_serving(tiny_model)
             response = await asyncio.wait_for(stuck, 30)
             assert len(response.candidates[0].token_ids) == 3
             assert await health.both() == (NOT_SERVING, NOT_SERVING)  # for good
+            async with httpx.AsyncClient() as http:  # the REST shim's /health agrees
+                reply = await http.get(f"http://127.0.0.1:{srv.http_port}/health")
+            assert reply.status_code == 503 and "stuck" in reply.json()["error"]["message"]
         assert core.block_manager.num_used_blocks == 0
 
 
