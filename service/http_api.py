@@ -213,12 +213,12 @@ def create_app(
         return api.model_card(engine)
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest) -> Response:
-        return await api.completions(body)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await api.completions(body, request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await api.chat_completions(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await api.chat_completions(body, request)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -319,7 +319,7 @@ class _Api:
 
     # ---- generation ----------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
         engine = self.engine()
         try:
             self.service.check_model(body.model or "")
@@ -338,9 +338,9 @@ class _Api:
         )
         # After the engine checked the ids: decoding one that is not a token id can raise.
         gen.echo_texts = [tokenizer.decode(p) if body.echo else "" for p in prompts]
-        return await self._respond(gen, engine.tokenizer, body.stream, body.include_usage)
+        return await self._respond(gen, engine.tokenizer, body, request)
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         engine = self.engine()
         names = body.param_names()
         try:
@@ -351,7 +351,7 @@ class _Api:
         except Exception as exc:
             raise api_error(exc, names) from None
         gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body.priority, names)
-        return await self._respond(gen, engine.tokenizer, body.stream, body.include_usage)
+        return await self._respond(gen, engine.tokenizer, body, request)
 
     async def _submit(
         self,
@@ -385,11 +385,28 @@ class _Api:
         return _Generation(gen_id, kind, model, params.n, streams, prompts, echo, wants)
 
     async def _respond(
-        self, gen: _Generation, tokenizer: Tokenizer, stream: bool, include_usage: bool
+        self,
+        gen: _Generation,
+        tokenizer: Tokenizer,
+        body: CompletionRequest | ChatCompletionRequest,
+        request: Request,
     ) -> Response:
-        if stream:
-            chunks = self._sse(gen, tokenizer, include_usage)
+        if body.stream:
+            chunks = self._sse(gen, tokenizer, body.include_usage)
             return _EventStream(chunks, media_type="text/event-stream")
+        # A client that leaves before the whole answer is ready cancels its requests, as
+        # one leaving a stream does: nothing else would tell the engine.
+        answer = asyncio.ensure_future(self._full_answer(gen, tokenizer))
+        left = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((answer, left), return_when=asyncio.FIRST_COMPLETED)
+        left.cancel()
+        if answer.done():
+            return answer.result()
+        answer.cancel()  # _merged's cleanup cancels the engine requests; counted as 499
+        await asyncio.gather(answer, return_exceptions=True)
+        return Response(status_code=499)  # nobody is there to read it
+
+    async def _full_answer(self, gen: _Generation, tokenizer: Tokenizer) -> Response:
         with self.service.in_flight_call(), self._observed(gen) as status:
             async for prompt, event in _merged(gen.streams):
                 self._absorb(gen, prompt, event)
@@ -608,6 +625,13 @@ def _envelope(gen: _Generation, kind: str, choices: list[dict]) -> dict[str, Any
 
 def _sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body was read already: what comes next on the
+    channel is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CandidateEvent]]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import grpc
 import httpx2 as httpx  # the HTTP client the openai package (3.x) is built on
 import openai
@@ -233,6 +236,25 @@ async def test_closing_a_stream_early_cancels_and_frees_kv(rest):
     await kv_back_to_zero(engine)
     # cancelled, not run to its end: far fewer than max_tokens were generated
     assert engine.stats.num_generated_tokens - generated_before < 400
+
+
+async def test_a_client_leaving_a_unary_completion_cancels_it(rest):
+    # No stream to close: the server watches the connection while it collects the answer.
+    _, _, engine, base = rest
+    before = engine.stats.num_generated_tokens
+    body = dict(model="tiny", prompt="Tell me a long story", max_tokens=480, ignore_eos=True)
+    auth = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        call = asyncio.ensure_future(http.post("/v1/completions", json=body, headers=auth))
+        while engine.stats.num_generated_tokens - before < 5:  # generating now
+            assert not call.done(), call.result().text
+            await asyncio.sleep(0.002)
+        call.cancel()  # the client hangs up mid-answer
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+    await kv_back_to_zero(engine)
+    assert not engine.has_work
+    assert engine.stats.num_generated_tokens - before < 480  # cancelled, not run out
 
 
 async def test_api_key_on_rest_and_grpc(rest):
