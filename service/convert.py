@@ -120,9 +120,11 @@ def prompt_token_ids(
 ) -> list[int]:
     """Token ids of the prompt, whichever of text / chat / token_ids the request carries.
     With max_tokens (the context length), text that cannot fit is refused unencoded."""
-    kind = request.WhichOneof("prompt" if isinstance(request, pb.GenerateRequest) else "input")
-    if kind is None:
-        raise ValidationError("prompt", "set one of text, chat or token_ids")
+    oneof = "prompt" if isinstance(request, pb.GenerateRequest) else "input"
+    kind = request.WhichOneof(oneof)
+    if kind is None:  # name this request's own oneof and its choices
+        *others, last = (f.name for f in request.DESCRIPTOR.oneofs_by_name[oneof].fields)
+        raise ValidationError(oneof, f"set one of {', '.join(others)} or {last}")
     if kind == "text":
         return tokenizer.encode(
             request.text, add_special_tokens=add_special_tokens, max_tokens=max_tokens

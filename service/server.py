@@ -194,7 +194,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 class ParseInterceptor(grpc.aio.ServerInterceptor):
     """Inference requests whose bytes do not parse (a string that is not UTF-8, a corrupt
-    wire format) get INVALID_ARGUMENT naming the field; grpc.aio would answer UNKNOWN."""
+    wire format) get INVALID_ARGUMENT naming the field; grpc.aio would answer UNKNOWN.
+    Counted in the RPC metric like the handlers' own refusals: they never run."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -208,6 +212,7 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return convert.parse(message_type, data)
             except ValidationError as exc:
+                self.metrics.rpc_finished(name, grpc.StatusCode.INVALID_ARGUMENT)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         async def unary(data: bytes, context):
@@ -335,12 +340,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         texts[event.index] += event.text
                     self.log_outputs(stream.request_id, texts)
             response = convert.generate_response(request_id, n, events, engine.tokenizer)
-            if (size := response.ByteSize()) > self.max_message_bytes:  # else gRPC fails it
-                message = (
-                    f"response: {size} bytes, over max_message_bytes ({self.max_message_bytes}); "
-                    "ask for fewer candidates, tokens or logprobs, or use StreamGenerate"
-                )
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            advice = "ask for fewer candidates, tokens or logprobs, or use StreamGenerate"
+            await self._check_size(response, context, advice)
             return response
 
     async def StreamGenerate(
@@ -385,7 +386,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             tokens = [tokenizer.id_to_token(i) or "" for i in ids]
-            return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+            response = pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+            await self._check_size(response, context, "send shorter text")
+            return response
+
+    async def _check_size(self, response, context, advice: str) -> None:
+        """RESOURCE_EXHAUSTED naming the response when it is over max_message_bytes: else
+        gRPC fails the send itself, after all the work, and logs a traceback."""
+        if (size := response.ByteSize()) > self.max_message_bytes:
+            message = (
+                f"response: {size} bytes, over max_message_bytes ({self.max_message_bytes}); "
+                + advice
+            )
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         with self._observed("GetModelInfo", context):
@@ -524,10 +537,10 @@ async def start_server(config: ServerConfig) -> Server:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
-    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key is not None else []
-    interceptors.append(ParseInterceptor())  # innermost: a refused key never parses
-    grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
+    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key is not None else []
+    interceptors.append(ParseInterceptor(service.metrics))  # innermost: a refused key never parses
+    grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
     service.log_requests = config.log_requests
     service.max_message_bytes = config.max_message_bytes
     # Whatever log_level says: asking for them means showing them.

@@ -220,6 +220,10 @@ async def test_tokenize_model_info_health_and_reflection(server):
     stub, channel, core, _ = server
     tokens = await stub.Tokenize(pb.TokenizeRequest(text="hello", add_special_tokens=False))
     assert list(tokens.token_ids) == core.tokenizer.encode("hello", add_special_tokens=False)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # named its own oneof (was "prompt")
+        await stub.Tokenize(pb.TokenizeRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "input: set one of text or chat"
     info = await stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.architecture == "LlamaForCausalLM" and info.kv_num_blocks == 128
     assert info.max_context_length == core.max_model_len

@@ -1,5 +1,6 @@
 """Bad input fuzzing (issue 7, item 5): hypothesis draws requests over every field of the
-gRPC GenerateRequest and of the REST /v1/completions and /v1/chat/completions bodies
+gRPC GenerateRequest and TokenizeRequest and of the REST /v1/completions,
+/v1/chat/completions, /tokenize and /detokenize bodies
 (empty, huge, negative, NaN and infinities, out-of-vocab token ids, invalid UTF-8, thousands
 of stop strings, max_tokens beyond the context, wrong JSON types, unknown fields) and sends
 them to a real server on loopback, gRPC and REST on the same engine.
@@ -201,12 +202,10 @@ def floats(low: float, high: float):
 # ---- gRPC --------------------------------------------------------------------------------
 
 
-@st.composite
-def generate_requests(draw) -> pb.GenerateRequest:
-    field = Fields(draw)
-    request = pb.GenerateRequest()
-    request.request_id = draw(st.one_of(st.just(""), st.text(max_size=8), st.just("r" * 5000)))
-    prompt = field(st.sampled_from(["text", "chat", "token_ids"]), st.just(None))
+def set_prompt(draw, field: Fields, request, kinds: list[str]) -> None:
+    """One of `kinds` of prompt (text, chat, token_ids) on a Generate or Tokenize request,
+    good or bad; now and then none."""
+    prompt = field(st.sampled_from(kinds), st.just(None))
     if prompt == "text":
         request.text = field(GOOD_TEXT, BAD_TEXT)
     elif prompt == "chat":
@@ -218,6 +217,14 @@ def generate_requests(draw) -> pb.GenerateRequest:
     elif prompt == "token_ids":
         request.token_ids.ids.extend(field(IDS, BAD_IDS))
         request.token_ids.SetInParent()
+
+
+@st.composite
+def generate_requests(draw) -> pb.GenerateRequest:
+    field = Fields(draw)
+    request = pb.GenerateRequest()
+    request.request_id = draw(st.one_of(st.just(""), st.text(max_size=8), st.just("r" * 5000)))
+    set_prompt(draw, field, request, ["text", "chat", "token_ids"])
     uint = st.sampled_from([UINT32])
     fields = {
         "sampling": dict(
@@ -256,6 +263,14 @@ def generate_requests(draw) -> pb.GenerateRequest:
     return request
 
 
+@st.composite
+def tokenize_requests(draw) -> pb.TokenizeRequest:
+    field = Fields(draw)
+    request = pb.TokenizeRequest(add_special_tokens=draw(st.booleans()))
+    set_prompt(draw, field, request, ["text", "chat"])
+    return request
+
+
 def fields_set(message, out: set[str]) -> set[str]:
     """The names of every field a message sets, at any depth (leaves and messages)."""
     for field, value in message.ListFields():
@@ -275,15 +290,17 @@ GRPC_NAMES = {
 GRPC_ALWAYS = {"prompt", "max_tokens"}  # required, or bounded by the context even when unset
 
 
-def check_grpc_refusal(request: pb.GenerateRequest, err: grpc.aio.AioRpcError) -> str:
+def check_grpc_refusal(request, err: grpc.aio.AioRpcError, always: set[str] = GRPC_ALWAYS) -> str:
+    """Checks a refused Generate (or Tokenize: always={"input"}, its oneof); returns the code."""
     code, details = err.code(), err.details()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field = named_field(details)
-        given = fields_set(request, set()) | GRPC_ALWAYS
+        given = fields_set(request, set()) | always
         assert GRPC_NAMES.get(field, field) in given, (field, details, request)
     elif code == grpc.StatusCode.NOT_FOUND:
-        assert request.model not in ("", "tiny") and details.startswith("model:"), details
-    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the request, or Generate's answer
+        model = getattr(request, "model", "")  # a TokenizeRequest names none
+        assert model not in ("", "tiny") and details.startswith("model:"), details
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the request, or a unary answer
         too_big = request.ByteSize() > MAX_MESSAGE_BYTES
         assert too_big or details.startswith("response:"), details
     else:
@@ -328,7 +345,23 @@ async def test_grpc_generate_fuzz(doors, request, streamed):
     TRIED[door, "OK"] += 1
 
 
-# Where raw_generate_requests puts invalid UTF-8 -> the field the error must name.
+@settings(FUZZ, max_examples=60)
+@given(request=tokenize_requests())
+async def test_grpc_tokenize_fuzz(doors, request):
+    try:
+        response = await doors.stub.Tokenize(request, metadata=tuple(AUTH.items()), timeout=TIMEOUT)
+    except grpc.aio.AioRpcError as err:
+        TRIED["gRPC Tokenize", check_grpc_refusal(request, err, {"input"})] += 1
+        return
+    assert len(response.tokens) == len(response.token_ids)
+    assert all(0 <= t < 400 for t in response.token_ids)
+    if request.HasField("text"):  # add_special_tokens honoured
+        tokenizer = doors.engine.tokenizer
+        assert response.token_ids == tokenizer.encode(request.text, request.add_special_tokens)
+    TRIED["gRPC Tokenize", "OK"] += 1
+
+
+# Where raw_requests puts invalid UTF-8 -> the field the error must name.
 UTF8_FIELDS = {
     "text": "text",
     "chat": "chat.messages.content",
@@ -336,18 +369,27 @@ UTF8_FIELDS = {
     "request_id": "request_id",
     "model": "model",
 }
+RAW_FIELDS = {  # those of UTF8_FIELDS each RPC's request has; GetModelInfoRequest has none
+    "Generate": sorted(UTF8_FIELDS),
+    "StreamGenerate": sorted(UTF8_FIELDS),
+    "Tokenize": ["chat", "text"],
+    "GetModelInfo": [],
+}
 
 
 @st.composite
-def raw_generate_requests(draw) -> tuple[bytes, str | None]:
+def raw_requests(draw, method: str = "Generate") -> tuple[bytes, str | None]:
     """Bytes no protobuf client would send: invalid UTF-8 in a string field (and the field
     the refusal must name), wire-format garbage, truncated messages."""
     kind = draw(st.sampled_from(["bad_utf8", "garbage", "truncated"]))
-    if kind == "garbage":
+    if kind == "garbage" or not RAW_FIELDS[method]:
         return draw(st.binary(max_size=64)), None
     marker = "qq"
-    request = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=2))
-    where = draw(st.sampled_from(sorted(UTF8_FIELDS)))
+    if method == "Tokenize":
+        request = pb.TokenizeRequest(add_special_tokens=True)
+    else:
+        request = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=2))
+    where = draw(st.sampled_from(RAW_FIELDS[method]))
     if where == "text":
         request.text = marker
     elif where == "chat":
@@ -365,10 +407,17 @@ def raw_generate_requests(draw) -> tuple[bytes, str | None]:
     return data.replace(marker.encode(), bad), UTF8_FIELDS[where]  # same length: still parses
 
 
-@settings(FUZZ, max_examples=200)  # cheap: every case is refused before the engine
-@given(case=raw_generate_requests(), method=st.sampled_from(["Generate", "StreamGenerate"]))
-async def test_grpc_raw_bytes_fuzz(doors, case, method):
-    data, bad_field = case
+def rpc_counts(doors: Doors, rpc: str) -> collections.Counter[str]:
+    """pagedserve_requests_total of one RPC, by status code."""
+    (family,) = doors.srv.service.metrics.requests.collect()
+    samples = [s for s in family.samples if s.name.endswith("_total") and s.labels["rpc"] == rpc]
+    return collections.Counter({s.labels["code"]: s.value for s in samples})
+
+
+async def raw_case(doors: Doors, door: str, method: str, data: bytes, bad_field: str | None):
+    """Sends request bytes as they are; checks the answer, and that the RPC metric counted
+    it once, under its own name and code."""
+    counted = rpc_counts(doors, method)
     path = f"/{SERVICE_NAME}/{method}"
     make = doors.channel.unary_stream if method == "StreamGenerate" else doors.channel.unary_unary
     call = make(path, request_serializer=None, response_deserializer=None)
@@ -378,17 +427,34 @@ async def test_grpc_raw_bytes_fuzz(doors, case, method):
             [m async for m in result]
         else:
             await result
+        code = "OK"  # some byte strings are valid requests
     except grpc.aio.AioRpcError as err:
         # Garbage and truncated bytes may parse into any request, e.g. for another model.
-        code, details = err.code(), err.details()
-        assert code == grpc.StatusCode.INVALID_ARGUMENT or (
-            code == grpc.StatusCode.NOT_FOUND and details.startswith("model: ")
+        code, details = err.code().name, err.details()
+        assert code == "INVALID_ARGUMENT" or (
+            code == "NOT_FOUND" and details.startswith("model: ")
         ), (code, details, data)
         named_field(details)
         assert bad_field is None or details.startswith(f"{bad_field}: "), details
-        TRIED["gRPC raw bytes", err.code().name] += 1
-        return
-    TRIED["gRPC raw bytes", "OK"] += 1  # some byte strings are valid requests
+    assert rpc_counts(doors, method) - counted == {code: 1}, (method, code, data)
+    TRIED[door, code] += 1
+
+
+@settings(FUZZ, max_examples=200)  # cheap: every case is refused before the engine
+@given(case=raw_requests(), method=st.sampled_from(["Generate", "StreamGenerate"]))
+async def test_grpc_raw_bytes_fuzz(doors, case, method):
+    await raw_case(doors, "gRPC raw bytes", method, *case)
+
+
+@settings(FUZZ, max_examples=60)
+@given(
+    case=st.sampled_from(["Tokenize", "GetModelInfo"]).flatmap(
+        lambda method: st.tuples(st.just(method), raw_requests(method))
+    )
+)
+async def test_grpc_raw_bytes_tokenize_fuzz(doors, case):
+    method, (data, bad_field) = case
+    await raw_case(doors, "gRPC raw bytes Tokenize, GetModelInfo", method, data, bad_field)
 
 
 # ---- REST --------------------------------------------------------------------------------
@@ -493,10 +559,28 @@ CHAT_FIELDS = dict(
     tools=rest(st.just([]), st.just([{"type": "function"}])),
     response_format=rest(st.just({"type": "text"}), st.sampled_from([{"type": "json"}, {}])),
 )
-REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
-UNKNOWN_KEYS = st.text(min_size=1, max_size=8).filter(
-    lambda k: k not in COMPLETION_FIELDS and k not in CHAT_FIELDS
+TOKENIZE_FIELDS = dict(  # /tokenize has no context limit: any text within the body limit
+    model=COMMON_FIELDS["model"],
+    prompt=rest(GOOD_TEXT, REST_BAD_TEXT),
+    add_special_tokens=rest(st.booleans()),
 )
+DETOKENIZE_FIELDS = dict(
+    model=COMMON_FIELDS["model"],
+    tokens=rest(
+        st.one_of(IDS, sized(GOOD_ID, [0, 600])),
+        st.lists(st.one_of(GOOD_ID, REST_BAD_ID), min_size=1, max_size=4),
+    ),
+)
+REQUIRED = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+KNOWN_KEYS = {*COMPLETION_FIELDS, *CHAT_FIELDS, *TOKENIZE_FIELDS, *DETOKENIZE_FIELDS}
+UNKNOWN_KEYS = st.text(min_size=1, max_size=8).filter(lambda k: k not in KNOWN_KEYS)
+
+
+def unknown_fields(draw, field: Fields) -> dict:
+    """Now and then a field or two the API does not know: they are ignored."""
+    if field(st.just(False), st.just(True)):
+        return draw(st.dictionaries(UNKNOWN_KEYS, JSON_ANY, min_size=1, max_size=2))
+    return {}
 
 
 @st.composite
@@ -516,9 +600,26 @@ def rest_bodies(draw, path: str) -> dict:
             if name == "max_tokens" and field(st.just(False), st.booleans()):
                 continue  # unset: 16 for completions, up to the context for chat
             body[name] = value
-    if field(st.just(False), st.just(True)):  # unknown fields are ignored
-        body |= draw(st.dictionaries(UNKNOWN_KEYS, JSON_ANY, min_size=1, max_size=2))
-    return body
+    return body | unknown_fields(draw, field)
+
+
+@st.composite
+def token_bodies(draw, path: str) -> dict:
+    """/tokenize: a prompt or chat messages (now and then both, or neither); /detokenize:
+    token ids (now and then none). Each other field half the time."""
+    field = Fields(draw)
+    if path == "/tokenize":
+        fields = dict(TOKENIZE_FIELDS, messages=(chat_messages(field), JSON_ANY))
+        good = st.sampled_from([("prompt",), ("messages",)])
+        sent = field(good, st.sampled_from([(), ("prompt", "messages")]))
+    else:
+        fields, sent = DETOKENIZE_FIELDS, field(st.just(("tokens",)), st.just(()))
+    body = {}
+    for name, values in fields.items():
+        optional = name not in ("prompt", "messages", "tokens")
+        if name in sent or (optional and draw(st.booleans())):
+            body[name] = field(*values)
+    return body | unknown_fields(draw, field)
 
 
 # Fields a 400 may name though the body left them out: required, or (max_tokens: 16 by
@@ -526,6 +627,8 @@ def rest_bodies(draw, path: str) -> dict:
 REST_ALWAYS = {
     "/v1/completions": {"prompt", "max_tokens", "body"},
     "/v1/chat/completions": {"messages", "body"},
+    "/tokenize": {"prompt", "body"},  # "prompt: give exactly one of prompt, messages"
+    "/detokenize": {"tokens", "body"},
 }
 
 
@@ -550,6 +653,12 @@ def rest_answer(path: str, body: dict, sent: bytes, headers: dict, response: htt
         assert len(sent) > MAX_MESSAGE_BYTES and error["param"] == "body"
     elif status == 429:
         assert isinstance(body.get("prompt"), list) and len(body["prompt"]) > 1, error
+    elif path == "/tokenize":
+        result = response.json()
+        assert result["count"] == len(result["tokens"]) and result["max_model_len"] == CONTEXT
+        assert all(0 <= t < 400 for t in result["tokens"]), result
+    elif path == "/detokenize":
+        assert isinstance(response.json()["prompt"], str)
     elif body.get("stream") is True:
         events = [line for line in response.text.split("\n\n") if line]
         assert events[-1] == "data: [DONE]", events[-3:]
@@ -592,6 +701,17 @@ async def test_rest_completions_fuzz(doors, body, headers):
 @given(body=rest_bodies("/v1/chat/completions"), headers=HEADERS)
 async def test_rest_chat_fuzz(doors, body, headers):
     await rest_case(doors, "/v1/chat/completions", body, headers)
+
+
+@settings(FUZZ, max_examples=120)  # about 60 a path
+@given(
+    case=st.sampled_from(["/tokenize", "/detokenize"]).flatmap(
+        lambda path: st.tuples(st.just(path), token_bodies(path))
+    ),
+    headers=HEADERS,
+)
+async def test_rest_tokenize_fuzz(doors, case, headers):
+    await rest_case(doors, *case, headers)
 
 
 @st.composite

@@ -199,6 +199,11 @@ async def test_message_size_limit_at_both_doors(doors):
     assert err.value.details().startswith("response: "), err.value.details()
     finals = [m async for m in stub.StreamGenerate(request) if m.finish_reason]
     assert len(finals) == MAX_N
+    # So does a Tokenize answer over the limit (24 KB of emoji: 18,000 tokens).
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Tokenize(pb.TokenizeRequest(text="🙂" * 6000))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details().startswith("response: "), err.value.details()
 
 
 async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
