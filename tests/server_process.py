@@ -53,6 +53,19 @@ class ServerProcess:
     def metrics(self) -> dict[str, float]:
         return scrape_metrics(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
+    def settled_metrics(self, names: tuple[str, ...], quiet: float = 0.3) -> dict[str, float]:
+        """A scrape once the given metrics stayed unchanged for `quiet` seconds: work that
+        earlier tests left in flight (a cancelled stream's last step) is counted by then."""
+        deadline = time.monotonic() + 10
+        seen = self.metrics()
+        while time.monotonic() < deadline:
+            time.sleep(quiet)
+            now = self.metrics()
+            if all(now.get(name) == seen.get(name) for name in names):
+                return now
+            seen = now
+        return seen
+
     def wait_for_metric(self, name: str, value: float, timeout: float = 10) -> float:
         """Poll until the metric equals value; returns the last value seen."""
         deadline = time.monotonic() + timeout

@@ -122,7 +122,9 @@ async def test_each_cancellation_door_frees_the_blocks(served, action, code):
 
 
 async def test_metrics_count_requests_tokens_and_latencies(served):
-    before = served.metrics()
+    before = served.settled_metrics(
+        ("pagedserve_generation_tokens_total", "pagedserve_e2e_request_latency_seconds_count")
+    )
     async with grpc.aio.insecure_channel(served.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         await stub.Generate(pb.GenerateRequest(text="The sky is", **greedy(5)))
