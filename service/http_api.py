@@ -71,10 +71,14 @@ _FINISH_REASONS = {
     FinishReason.ERROR: "error",
 }
 # How a REST outcome is counted in pagedserve_requests_total, next to the RPCs.
+# The REST calls counted in pagedserve_requests_total, under these names as `rpc`.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _STATUS_CODES = {
     200: grpc.StatusCode.OK,
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -174,6 +178,8 @@ def create_app(
 
     async def require_key(request: Request) -> None:
         if not authorized(request.headers.get("authorization"), api_key):
+            if request.url.path in GENERATION_PATHS:  # counted like the handlers' outcomes
+                service.metrics.rpc_finished(request.url.path, grpc.StatusCode.UNAUTHENTICATED)
             raise ApiError(
                 401,
                 "missing or wrong API key (Authorization: Bearer <key>)",
@@ -432,7 +438,7 @@ class _Api:
                 self.service.log_outputs(gen.id, texts)
 
     def _record(self, kind: str, status: int, finals: list[CandidateEvent]) -> None:
-        rpc = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        rpc = GENERATION_PATHS[1] if kind == "chat" else GENERATION_PATHS[0]
         self.service.metrics.rpc_finished(rpc, _STATUS_CODES.get(status, grpc.StatusCode.INTERNAL))
         if finals:
             self.service.metrics.request_finished(finals)

@@ -160,12 +160,14 @@ def authorized(header: str | None, api_key: str | None) -> bool:
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for calls without `authorization: Bearer <key>` metadata; health
-    checks and reflection stay open, so Kubernetes probes and grpcurl need no key."""
+    checks and reflection stay open, so Kubernetes probes and grpcurl need no key.
+    Refusals are counted in the RPC metric: the handlers, which count the rest, never run."""
 
     OPEN_SERVICES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/")
 
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str, metrics: ServerMetrics) -> None:
         self.api_key = api_key
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -176,6 +178,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
 
         async def deny(request, context):
+            rpc = handler_call_details.method.rpartition("/")[2]
+            self.metrics.rpc_finished(rpc, grpc.StatusCode.UNAUTHENTICATED)
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer)"
             )
@@ -538,7 +542,9 @@ async def start_server(config: ServerConfig) -> Server:
         ("grpc.max_send_message_length", config.max_message_bytes),
     ]
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
-    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key is not None else []
+    interceptors = []
+    if config.api_key is not None:
+        interceptors.append(ApiKeyInterceptor(config.api_key, service.metrics))
     interceptors.append(ParseInterceptor(service.metrics))  # innermost: a refused key never parses
     grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
     service.log_requests = config.log_requests

@@ -262,6 +262,8 @@ async def test_api_key_on_rest_and_grpc(rest):
     async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            await bad.completions.create(model="tiny", prompt="x")
     async with httpx.AsyncClient() as http:
         assert (await http.post(f"{base}/tokenize", json={"prompt": "x"})).status_code == 401
         assert (await http.get(f"{base}/health")).status_code == 200  # probes need no key
@@ -274,6 +276,10 @@ async def test_api_key_on_rest_and_grpc(rest):
             async for _ in stub.StreamGenerate(pb.GenerateRequest(text="x")):
                 pass
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        registry = srv.service.metrics.registry  # refusals are counted like other outcomes
+        for rpc in ("GetModelInfo", "StreamGenerate", "/v1/completions"):
+            labels = {"rpc": rpc, "code": "UNAUTHENTICATED"}
+            assert registry.get_sample_value("pagedserve_requests_total", labels) == 1
         info = await stub.GetModelInfo(
             pb.GetModelInfoRequest(), metadata=(("authorization", f"Bearer {KEY}"),)
         )
