@@ -36,7 +36,8 @@ def _no_surrogates(value: Any) -> Any:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # strict: JSON types as OpenAI documents them; no "yes" for true, no true for token 1.
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
     _check_text = field_validator("*", mode="before")(_no_surrogates)  # nested ones too
 

@@ -239,6 +239,9 @@ async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
         ),
         (await http.get("/v1/nope"), 404, None),
         (await http.get("/v1/completions"), 405, None),
+        # JSON types as OpenAI documents them: no true for token 1, no "yes" for true
+        (await http.post("/detokenize", json={"tokens": [True]}), 400, "tokens.0"),
+        (await http.post("/v1/completions", json={"prompt": "x", "echo": "yes"}), 400, "echo"),
     ):
         assert response.status_code == status, response.text
         error = response.json()["error"]
