@@ -70,7 +70,7 @@ def main() -> None:
     work = make_workload(NANO_VLLM_WORKLOAD)
     model_dir = write_random_model(SHAPES[args.shape], args.model_dir / args.shape)
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_batched_tokens=16384)
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=8))  # warm-up
 
     params = [
@@ -87,35 +87,8 @@ def main() -> None:
         profile_kernels(engine, work, params)
         return
     totals: dict[str, float] = defaultdict(float)
-    steps: list[StepRecord] = []
-    schedule = timed(totals, "schedule", engine.scheduler.schedule)
-
-    def recorded_schedule():
-        out = schedule()
-        decodes = sum(c.num_tokens == 1 for c in out.chunks)
-        steps.append(StepRecord(time.perf_counter(), decodes, out.num_tokens - decodes))
-        return out
-
-    execute, collect = runner.execute, runner.collect
-
-    def recorded_execute(*args, **kwargs):
-        steps[-1].gpu_start.record()
-        start = time.perf_counter()
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            steps[-1].execute_s = time.perf_counter() - start
-
-    def recorded_collect(launched):
-        start = time.perf_counter()
-        try:
-            return collect(launched)
-        finally:
-            steps[-1].collect_s += time.perf_counter() - start
-
-    engine.scheduler.schedule = recorded_schedule
-    runner.execute = recorded_execute
-    runner.collect = recorded_collect
+    engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
+    steps = record_steps(engine)
     engine._append_token = timed(totals, "append tokens (detok, stops)", engine._append_token)
     engine.step = timed(totals, "engine.step (all)", engine.step)
     gc_started = [0.0]
@@ -182,30 +155,6 @@ def profile_prefill(engine, work, params) -> None:
     first with each step's host phases timed and the host under cProfile, then (after
     aborting that batch, on prompts shifted by one token id so nothing is a prefix-cache
     hit) under torch.profiler: GPU time by kernel."""
-    runner = engine.runner
-    schedule, execute, collect = engine.scheduler.schedule, runner.execute, runner.collect
-    steps: list[PrefillStep] = []
-
-    def recorded_schedule():
-        out = schedule()
-        decodes = sum(c.num_tokens == 1 for c in out.chunks)
-        steps.append(PrefillStep(decodes, out.num_tokens - decodes))
-        steps[-1].gpu_start.record()
-        return out
-
-    def recorded_execute(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            steps[-1].execute_ms = (time.perf_counter() - start) * 1e3
-
-    def recorded_collect(launched):
-        start = time.perf_counter()
-        try:
-            return collect(launched)
-        finally:
-            steps[-1].collect_ms = (time.perf_counter() - start) * 1e3
 
     def prefilling() -> bool:
         scheduler = engine.scheduler
@@ -221,31 +170,27 @@ def profile_prefill(engine, work, params) -> None:
         return ids
 
     # Pass 1: host phases and cProfile.
-    engine.scheduler.schedule, runner.execute, runner.collect = (
-        recorded_schedule,
-        recorded_execute,
-        recorded_collect,
-    )
+    unwrapped = engine.scheduler.schedule, engine.runner.execute, engine.runner.collect
+    steps = record_steps(engine)
     ids = add_all(0)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
     while prefilling():
-        step_start = time.perf_counter()
         engine.step()
-        steps[-1].wall_ms = (time.perf_counter() - step_start) * 1e3
     engine.step()
     torch.cuda.synchronize()
     profiler.disable()
     elapsed = time.perf_counter() - start
-    engine.scheduler.schedule, runner.execute, runner.collect = schedule, execute, collect
+    engine.scheduler.schedule, engine.runner.execute, engine.runner.collect = unwrapped
     print(f"prefill: {len(steps)} steps in {elapsed:.3f} s (host under cProfile)")
-    print("step  decode rows  prefill tokens  step() ms  execute ms  collect ms  gpu ms")
+    print("step  decode rows  prefill tokens  wall ms  execute ms  collect ms  gpu ms")
     for i, (step, following) in enumerate(zip(steps, steps[1:], strict=False)):
         print(
-            f"{i:4d} {step.decode_rows:12d} {step.prefill_tokens:15d} {step.wall_ms:10.2f}"
-            f" {step.execute_ms:11.2f} {step.collect_ms:11.2f}"
+            f"{i:4d} {step.decode_rows:12d} {step.prefill_tokens:15d}"
+            f" {(following.scheduled_at - step.scheduled_at) * 1e3:8.2f}"
+            f" {step.execute_s * 1e3:11.2f} {step.collect_s * 1e3:11.2f}"
             f" {step.gpu_start.elapsed_time(following.gpu_start):7.2f}"
         )
     out = io.StringIO()
@@ -269,18 +214,6 @@ def profile_prefill(engine, work, params) -> None:
 
 
 @dataclass
-class PrefillStep:
-    decode_rows: int
-    prefill_tokens: int
-    gpu_start: torch.cuda.Event = field(
-        default_factory=lambda: torch.cuda.Event(enable_timing=True)
-    )
-    wall_ms: float = 0.0  # the engine.step() this step was scheduled in
-    execute_ms: float = 0.0
-    collect_ms: float = 0.0
-
-
-@dataclass
 class StepRecord:
     scheduled_at: float  # perf_counter when the scheduler returned
     decode_rows: int
@@ -291,6 +224,41 @@ class StepRecord:
     execute_s: float = 0.0
     collect_s: float = 0.0  # the collect that ran in this step's engine.step()
     gc_s: float = 0.0  # Python's garbage collector, from this step's schedule to the next
+
+
+def record_steps(engine) -> list[StepRecord]:
+    """Wrap the engine's scheduler and its runner's execute and collect so that every step
+    appends a StepRecord (what it held, when it was scheduled, its host phases, an event at
+    its GPU start) to the list returned. Undo by restoring the three attributes."""
+    steps: list[StepRecord] = []
+    runner = engine.runner
+    schedule, execute, collect = engine.scheduler.schedule, runner.execute, runner.collect
+
+    def recorded_schedule():
+        out = schedule()
+        decodes = sum(c.num_tokens == 1 for c in out.chunks)
+        steps.append(StepRecord(time.perf_counter(), decodes, out.num_tokens - decodes))
+        return out
+
+    def recorded_execute(*args, **kwargs):
+        steps[-1].gpu_start.record()
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            steps[-1].execute_s = time.perf_counter() - start
+
+    def recorded_collect(launched):
+        start = time.perf_counter()
+        try:
+            return collect(launched)
+        finally:
+            steps[-1].collect_s += time.perf_counter() - start
+
+    engine.scheduler.schedule = recorded_schedule
+    runner.execute = recorded_execute
+    runner.collect = recorded_collect
+    return steps
 
 
 def print_timeline(steps: list[StepRecord], window: int) -> None:
