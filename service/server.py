@@ -158,10 +158,19 @@ def authorized(header: str | None, api_key: str | None) -> bool:
     )
 
 
+async def refuse(
+    metrics: ServerMetrics, rpc: str, context, code: grpc.StatusCode, message: str
+) -> None:
+    """Abort a call in an interceptor, before its handler runs: counted in the RPC metric
+    as the handlers count their own outcomes."""
+    metrics.rpc_finished(rpc, code)
+    await context.abort(code, message)
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for calls without `authorization: Bearer <key>` metadata; health
     checks and reflection stay open, so Kubernetes probes and grpcurl need no key.
-    Refusals are counted in the RPC metric: the handlers, which count the rest, never run."""
+    Refusals are counted in the RPC metric (refuse())."""
 
     OPEN_SERVICES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/")
 
@@ -179,10 +188,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
         async def deny(request, context):
             rpc = handler_call_details.method.rpartition("/")[2]
-            self.metrics.rpc_finished(rpc, grpc.StatusCode.UNAUTHENTICATED)
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization: Bearer)"
-            )
+            message = "missing or wrong API key (authorization: Bearer)"
+            await refuse(self.metrics, rpc, context, grpc.StatusCode.UNAUTHENTICATED, message)
 
         make = (
             grpc.unary_stream_rpc_method_handler
@@ -199,7 +206,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 class ParseInterceptor(grpc.aio.ServerInterceptor):
     """Inference requests whose bytes do not parse (a string that is not UTF-8, a corrupt
     wire format) get INVALID_ARGUMENT naming the field; grpc.aio would answer UNKNOWN.
-    Counted in the RPC metric like the handlers' own refusals: they never run."""
+    Counted in the RPC metric (refuse())."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
@@ -216,8 +223,9 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return convert.parse(message_type, data)
             except ValidationError as exc:
-                self.metrics.rpc_finished(name, grpc.StatusCode.INVALID_ARGUMENT)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await refuse(
+                    self.metrics, name, context, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                )
 
         async def unary(data: bytes, context):
             return await handler.unary_unary(await parsed(data, context), context)
