@@ -25,15 +25,15 @@ to when no row is padding (a prefill's case).
 
     python benchmarks/gpu_kernels.py --tokens 1 256 --sample-rows 1 256   # decode shapes only
 
-The linear section times a decode step's projections (qkv, o_proj, gate_up, down, the
-activation + down, and the LM head, x of 1 to 256 rows) two ways in CUDA graphs: the
-skinny-GEMM Triton kernel (engine/kernels/triton_linear.py, its pick_config) and
-F.linear (cuBLAS). Each call reads the next of identical weight copies spanning 512 MB,
-so replays stream the weight from HBM as 28 layers do, and the table gives weight bytes
-read per second (TB/s). Its summary sums one layer's projections per row count.
---linear-sweep also searches the kernel's configurations around pick_config's at each
-shape and row count (greedy: the fastest neighbour until none is faster) and prints the
-best found against the rule's:
+The linear section times a decode step's projections (qkv, o_proj, gate_up, down and the
+LM head, x of 1 to 32 rows) three ways in CUDA graphs: the skinny-GEMM Triton kernel
+(engine/kernels/triton_linear.py, its pick_config), F.linear, and (W @ x.T).T, for which
+cuBLAS may pick a GEMV. Each call reads the next of identical weight copies spanning
+512 MB, so replays stream the weight from HBM as 28 layers do, and the table gives
+weight bytes read per second (TB/s). Its summary sums one layer's four projections per
+row count and prints the SKINNY_MAX_ROWS (engine/model/llama.py) the numbers support.
+--linear-sweep also times every candidate configuration of the kernel up to 16 rows (a
+few minutes; --linear-shapes splits it) and prints the best against pick_config's:
 
     python benchmarks/gpu_kernels.py --tokens --sample-rows --linear-sweep   # linear only
 """
@@ -265,21 +265,16 @@ def print_table(results: list[Result]) -> None:
 
 # ---- skinny GEMMs: a decode step's projections, the Triton kernel against cuBLAS ---------
 
-LINEAR_SHAPES = {  # name: W's [N, K] (x is [rows, K]; [rows, 2K] for down_gated)
+LINEAR_SHAPES = {  # name: W's [N, K] (x is [rows, K])
     "qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN),
     "o_proj": (HIDDEN, NUM_HEADS * HEAD_DIM),
     "gate_up": (2 * INTERMEDIATE, HIDDEN),
     "down": (HIDDEN, INTERMEDIATE),
-    # SwiGLU's activation and the down projection: the kernel's gated form against the
-    # silu_and_mul kernel followed by cuBLAS, as the engine ran them before.
-    "down_gated": (HIDDEN, INTERMEDIATE),
     "lm_head": (VOCAB, HIDDEN),
 }
-# One decoder layer's projections, from the attention norm's output to the MLP's.
-LAYER_SHAPES = ("qkv", "o_proj", "gate_up", "down_gated")
+LAYER_SHAPES = ("qkv", "o_proj", "gate_up", "down")  # one decoder layer's projections
 NUM_LAYERS = 28
-# tinygemm, cublaslt and (W @ x.T).T were measured at 8b04cba (results/h200-kernels-linear-8b04cba.json).
-LINEAR_IMPLS = ("triton", "F.linear")
+LINEAR_IMPLS = ("triton", "F.linear", "W@x.T", "cublaslt", "tinygemm")
 # Copies of a weight cycled through call after call, so that graph replays stream it from
 # HBM as a decode step does (28 layers' weights do not fit in the H200's 50 MB L2).
 ROTATION_BYTES = 512 << 20
@@ -294,25 +289,39 @@ def rotating_weights(weight: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: next(order)
 
 
-def linear_calls(name: str, rows: int, dtype: torch.dtype):
+def linear_calls(rows: int, n: int, k: int, dtype: torch.dtype):
     """A call per implementation on one x and one weight rotation (identical copies, so
     every call computes the same product whichever copy it reads), and a maker of Triton
     calls with a given configuration."""
-    from engine.kernels import triton_kernels
     from engine.kernels.triton_linear import skinny_linear
 
-    n, k = LINEAR_SHAPES[name]
-    gated = name == "down_gated"
-    x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=dtype)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
     weight = rotating_weights((torch.randn(n, k, device="cuda") / k**0.5).to(dtype))
 
     def triton_with(config) -> Callable[[], torch.Tensor]:
-        return lambda: skinny_linear(x, weight(), None, config, gated=gated)
+        return lambda: skinny_linear(x, weight(), None, config)
 
-    def cublas() -> torch.Tensor:
-        return torch.nn.functional.linear(triton_kernels.silu_and_mul(x) if gated else x, weight())
+    def cublaslt() -> torch.Tensor:  # torch's other BLAS backend, which may split K
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return torch.nn.functional.linear(x, weight())
+        finally:
+            torch.backends.cuda.preferred_blas_library("cublas")
 
-    calls = {"triton": triton_with(None), "F.linear": cublas}  # triton: pick_config's choice
+    def tinygemm() -> torch.Tensor:  # flashinfer's port of TensorRT-LLM's tinygemm2 (SM90+)
+        from flashinfer.gemm import tinygemm_bf16
+
+        out = torch.empty(rows, n, device="cuda", dtype=dtype)
+        tinygemm_bf16(x, weight(), out)
+        return out
+
+    calls = {
+        "triton": triton_with(None),  # pick_config's choice, as linear() runs it
+        "F.linear": lambda: torch.nn.functional.linear(x, weight()),
+        "W@x.T": lambda: (weight() @ x.T).T,  # a transposed view: cuBLAS may pick a GEMV
+        "cublaslt": cublaslt,
+        "tinygemm": tinygemm,
+    }
     return calls, triton_with
 
 
@@ -336,103 +345,86 @@ def run_linear(rows_list: list[int], names: list[str], dtype: torch.dtype) -> li
     results = []
     for name in names:
         for rows in rows_list:
-            calls, _ = linear_calls(name, rows, dtype)
+            calls, _ = linear_calls(rows, *LINEAR_SHAPES[name], dtype)
             for impl, call in calls.items():
                 results.append(time_linear(name, rows, impl, call, calls["F.linear"]))
         torch.cuda.empty_cache()
     return results
 
 
-def neighbours(config, rows: int, k: int) -> list:
-    """Configurations one step from `config`: tile width, K step, K split, row block,
-    warps and pipeline stages, each halved or doubled within what the kernel can run."""
-    from dataclasses import replace
+def sweep_configs(rows: int, k: int) -> list:
+    """The Triton kernel's candidate configurations: CUDA-core products up to 8 rows,
+    tensor cores at any row count."""
+    import triton
 
-    if not config.use_dot:
-        steps = [("block_n", config.block_n // 2), ("block_n", config.block_n * 2)]
-        steps += [("block_k", config.block_k // 2), ("num_warps", config.num_warps * 2)]
-    else:
-        steps = [
-            (name, value)
-            for name in ("block_n", "block_k", "split_k", "num_warps")
-            for value in (getattr(config, name) // 2, getattr(config, name) * 2)
+    from engine.kernels.triton_linear import SkinnyConfig
+
+    fit = sorted(
+        {min(block_k, triton.next_power_of_2(k)) for block_k in (128, 256, 512, 1024, 2048)}
+    )
+    configs = []
+    if rows <= 8:
+        configs += [
+            SkinnyConfig(False, block_n, block_k, warps, stages)
+            for block_n in (2, 4, 8)
+            for block_k in fit
+            if block_k >= min(512, fit[-1])
+            for warps, stages in ((4, 1), (8, 1), (4, 3))
         ]
-        steps += [("num_stages", config.num_stages - 1), ("num_stages", config.num_stages + 1)]
-        if rows > 16:
-            steps += [("block_m", config.block_m // 2), ("block_m", config.block_m * 2)]
-    found = []
-    for name, value in steps:
-        candidate = replace(config, **{name: value})
-        if (
-            candidate.block_n >= (16 if candidate.use_dot else 1)
-            and 16 <= candidate.block_k <= 1024
-            and 1 <= candidate.split_k <= max(1, k // candidate.block_k)
-            and 2 <= candidate.num_warps <= 8
-            and 1 <= candidate.num_stages <= 5
-            and 16 <= candidate.block_m <= 128
-            and candidate.block_n * candidate.block_k <= 128 * 256  # W tile: registers, smem
-        ):
-            found.append(candidate)
-    return found
+    configs += [
+        SkinnyConfig(True, block_n, block_k, warps, stages)
+        for block_n in (16, 32)
+        for block_k in fit
+        if block_k <= 512
+        for warps, stages in ((4, 3), (4, 5), (8, 4))
+    ]
+    return configs
 
 
-def sweep_linear(name: str, rows: int, dtype: torch.dtype, rounds: int = 4) -> dict | None:
-    """A greedy search from the rule's pick (engine/kernels/triton_linear.py pick_config):
-    time its neighbours, move to the fastest, stop when none is faster (or after `rounds`
-    moves); against F.linear."""
+def sweep_linear(name: str, rows: int, dtype: torch.dtype) -> dict | None:
+    """Every candidate configuration at one shape and row count, against the rule's pick
+    (engine/kernels/triton_linear.py pick_config) and F.linear."""
     from engine.kernels.triton_linear import pick_config
 
     n, k = LINEAR_SHAPES[name]
-    calls, triton_with = linear_calls(name, rows, dtype)
+    calls, triton_with = linear_calls(rows, n, k, dtype)
     reference = calls["F.linear"]
-    timed: dict = {}
-
-    def time_config(config) -> float:
-        if config not in timed:
-            timed[config] = time_linear(name, rows, "triton", triton_with(config), reference, 10)
-        result = timed[config]
-        return result.graph_us if result.error is None else float("inf")
-
-    rule = pick_config(rows, n, k)
-    best, best_us = rule, time_config(rule)
-    for _ in range(rounds):
-        candidates = neighbours(best, rows, k)
-        if not candidates:
-            break
-        step = min(candidates, key=time_config)
-        if time_config(step) >= best_us * 0.98:  # 2%: below the timing's spread
-            break
-        best, best_us = step, time_config(step)
-    if best_us == float("inf"):
-        print(f"linear sweep {name} rows {rows}: every configuration failed")
+    timed = [
+        (config, time_linear(name, rows, "triton", triton_with(config), reference, rep=10))
+        for config in sweep_configs(rows, k)
+    ]
+    ok = [(config, result) for config, result in timed if result.error is None]
+    if not ok:
+        print(f"linear sweep {name} rows {rows}: every configuration failed: {timed[0][1].error}")
         return None
+    best_config, best = min(ok, key=lambda pair: pair[1].graph_us)
+    rule = time_linear(name, rows, "triton", calls["triton"], reference, rep=10)
     cublas = time_linear(name, rows, "F.linear", reference, reference, rep=10)
     return {
         "op": name,
         "rows": rows,
-        "best": asdict(best),
-        "best_us": best_us,
-        "best_weight_tbps": n * k * 2 / (best_us * 1e-6) / 1e12,
-        "rule": asdict(rule),
-        "rule_us": time_config(rule),
+        "best": asdict(best_config),
+        "best_us": best.graph_us,
+        "best_weight_tbps": best.graph_gbps / 1e3,
+        "rule": asdict(pick_config(rows, n, k)),
+        "rule_us": rule.graph_us,
         "f_linear_us": cublas.graph_us,
-        "failed": sum(result.error is not None for result in timed.values()),
+        "failed": len(timed) - len(ok),
         "all": [
             {**asdict(config), "us": result.graph_us, "error": result.error}
-            for config, result in timed.items()
+            for config, result in timed
         ],
     }
 
 
 def run_linear_sweep(rows_list: list[int], names: list[str], dtype: torch.dtype) -> list[dict]:
-    """The evidence for pick_config's rule at every row count linear() may give it."""
+    """The evidence for pick_config's rule, at up to 16 rows (where linear() may use it)."""
     found = []
     for name in names:
-        for rows in rows_list:
+        for rows in [r for r in rows_list if r <= 16]:
             case = sweep_linear(name, rows, dtype)
             if case is not None:
                 found.append(case)
-                print_linear_sweep([case])  # as it comes: a long sweep may be cut short
             torch.cuda.empty_cache()
     return found
 
@@ -447,22 +439,21 @@ def print_linear_table(results: list[Result]) -> None:
     for result in results:
         by_case.setdefault((result.op, result.tokens), {})[result.impl] = result
     print(
-        f"\n{'linear':<10} {'N x K':>13} {'rows':>4} | "
+        f"\n{'linear':<8} {'N x K':>13} {'rows':>4} | "
         + " | ".join(f"{impl:>14}" for impl in LINEAR_IMPLS)
     )
     print(
-        f"{'':<10} {'':>13} {'':>4} | "
-        + " | ".join(f"{'graph us  TB/s':>14}" for _ in LINEAR_IMPLS)
+        f"{'':<8} {'':>13} {'':>4} | " + " | ".join(f"{'graph us  TB/s':>14}" for _ in LINEAR_IMPLS)
     )
     for (name, rows), by_impl in by_case.items():
         shape = "x".join(map(str, LINEAR_SHAPES[name]))
         cells = " | ".join(cell(by_impl.get(impl)) for impl in LINEAR_IMPLS)
-        print(f"{name:<10} {shape:>13} {rows:>4} | {cells}")
+        print(f"{name:<8} {shape:>13} {rows:>4} | {cells}")
     for result in results:
         if result.error:
             print(f"{result.op} {result.tokens} {result.impl}: {result.error}")
 
-    # A decode step's share: one layer's projections, and that times the layers.
+    # A decode step's share: one layer's four projections, and that times the layers.
     totals: dict[int, dict[str, float]] = {}
     for rows in sorted({rows for _, rows in by_case}):
         for impl in LINEAR_IMPLS:
@@ -471,7 +462,9 @@ def print_linear_table(results: list[Result]) -> None:
                 totals.setdefault(rows, {})[impl] = sum(part.graph_us for part in parts)
     if not totals:
         return
-    print(f"\nper decoder layer ({' + '.join(LAYER_SHAPES)}), graph us; x{NUM_LAYERS} layers in ms")
+    print(
+        f"\nper decoder layer (qkv + o_proj + gate_up + down), graph us; x{NUM_LAYERS} layers in ms"
+    )
     for rows, by_impl in totals.items():
         cells = "  ".join(
             f"{impl} {us:6.1f} ({us * NUM_LAYERS / 1e3:.3f})" for impl, us in by_impl.items()
@@ -482,30 +475,35 @@ def print_linear_table(results: list[Result]) -> None:
         for rows, by_impl in totals.items()
         if by_impl.get("triton", 1e30) < by_impl.get("F.linear", 0.0)
     ]
-    print(f"the Triton kernel beats F.linear per layer at rows {faster}")
+    limit = 0
+    for rows in totals:  # the largest row count up to which the kernel wins at every count
+        if rows not in faster:
+            break
+        limit = rows
+    print(f"the Triton kernel beats F.linear per layer at rows {faster}: SKINNY_MAX_ROWS = {limit}")
 
 
 def print_linear_sweep(found: list[dict]) -> None:
-    """Per shape and rows: the best configuration found, against the rule's and F.linear."""
-
     def name_config(config: dict) -> str:
-        if not config["use_dot"]:
-            return f"cores n{config['block_n']} k{config['block_k']} w{config['num_warps']}"
+        kind = "dot" if config["use_dot"] else "cores"
         return (
-            f"dot m{config['block_m']} n{config['block_n']} k{config['block_k']}"
-            f" s{config['split_k']} w{config['num_warps']} st{config['num_stages']}"
+            f"{kind} n{config['block_n']} k{config['block_k']} "
+            f"w{config['num_warps']} s{config['num_stages']}"
         )
 
     if not found:
         return
+    print("\nlinear sweep: the best configuration per shape and rows, against the rule's pick")
     for case in found:
+        rule_us = case["rule_us"]
+        rule = f"{rule_us:6.1f} us" if rule_us is not None else "error"
+        cublas = case["f_linear_us"]
         print(
-            f"  {case['op']:<10} rows {case['rows']:>3}: best {name_config(case['best']):<30}"
+            f"  {case['op']:<8} rows {case['rows']:>2}: best {name_config(case['best']):<26}"
             f" {case['best_us']:6.1f} us {case['best_weight_tbps']:.2f} TB/s | rule"
-            f" {name_config(case['rule']):<30} {case['rule_us']:6.1f} us | F.linear"
-            f" {case['f_linear_us'] if case['f_linear_us'] is None else round(case['f_linear_us'], 1)} us"
-            f" | {len(case['all'])} tried"
-            + (f", {case['failed']} failed" if case["failed"] else "")
+            f" {name_config(case['rule']):<26} {rule} | F.linear"
+            f" {cublas if cublas is None else round(cublas, 1)} us"
+            + (f" | {case['failed']} configs failed" if case["failed"] else "")
         )
 
 
@@ -557,6 +555,7 @@ def main() -> None:
     sweep = (
         run_linear_sweep(args.linear_rows, args.linear_shapes, dtype) if args.linear_sweep else []
     )
+    print_linear_sweep(sweep)
     if args.json_out:
         info = {
             **run_info(),

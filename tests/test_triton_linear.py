@@ -25,7 +25,7 @@ from tests.test_kernels import INTERPRETED, TRITON_TARGETS
 
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 
-ROWS = [1, 3, 8, 16, 40]
+ROWS = [1, 3, 8, 16]
 # (N, K, bias): partial blocks of N (70, 33) and a partial last K step (200, 1000).
 SHAPES = [(40, 64, True), (70, 200, False), (33, 1000, True)]
 
@@ -57,19 +57,12 @@ def interpreter_multiplies_bf16_values(monkeypatch: pytest.MonkeyPatch) -> None:
 def configs(rows: int) -> list:
     """The rule's pick, then each product form with small blocks: several K steps, the
     last one partial, and a partial block of N (CUDA cores up to 8 rows, as far as the
-    benchmark's sweep tries them); on tensor cores also K split in 2 and 3 slices (the
-    last slice shorter, or empty and dropped where K has too few steps), and row blocks
-    of 16 (several row tiles at 40 rows)."""
+    benchmark's sweep tries them)."""
     from engine.kernels.triton_linear import SkinnyConfig
 
     dot = SkinnyConfig(use_dot=True, block_n=16, block_k=128, num_warps=4, num_stages=2)
-    split2 = SkinnyConfig(True, block_n=32, block_k=64, num_warps=4, num_stages=2, split_k=2)
-    split3 = SkinnyConfig(
-        True, block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=3, block_m=16
-    )
     cores = SkinnyConfig(use_dot=False, block_n=8, block_k=128, num_warps=2, num_stages=1)
-    found = [None, dot, split2, split3]
-    return found if rows > 8 else [*found, cores]
+    return [None, dot] if rows > 8 else [None, dot, cores]
 
 
 def assert_one_rounding_from(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -101,30 +94,6 @@ def test_skinny_linear_equals_the_float32_product(
             assert_one_rounding_from(out, expected)
 
 
-@pytest.mark.parametrize("target", TRITON_TARGETS)
-@pytest.mark.parametrize("rows", [2, 8, 40])
-def test_gated_skinny_linear_is_silu_and_mul_then_the_product(target: str, rows: int) -> None:
-    """gated=True: the product of silu(gate) * up, exactly as the silu_and_mul kernel
-    computes and rounds it, with W, through every product form and K split; run twice, bit-identical (the split-K
-    partials are summed in a fixed order, and each call leaves its tile counters at zero
-    for the next: a count left over would skip or repeat a tile's sum)."""
-    from engine.kernels import triton_kernels
-    from engine.kernels.triton_linear import skinny_linear
-
-    device = "cuda" if target == "cuda" else "cpu"
-    n, k = 70, 200
-    gate_up = torch.randn(rows, 2 * k, dtype=torch.bfloat16, device=device)
-    weight = torch.randn(n, k, dtype=torch.bfloat16, device=device)
-    expected = triton_kernels.silu_and_mul(gate_up).float() @ weight.float().T
-    for config in configs(rows):
-        out = skinny_linear(gate_up, weight, None, config, gated=True)
-        assert out.shape == (rows, n)
-        assert_one_rounding_from(out, expected)
-        assert torch.equal(skinny_linear(gate_up, weight, None, config, gated=True), out)
-    with pytest.raises(AssertionError, match="gated"):
-        skinny_linear(gate_up[:, :k].contiguous(), weight, gated=True)
-
-
 @needs_triton
 def test_skinny_linear_rejects_what_it_does_not_read() -> None:
     """Checked on the host before any launch: strided operands, mixed or 32-bit dtypes."""
@@ -145,26 +114,22 @@ def test_skinny_linear_rejects_what_it_does_not_read() -> None:
 
 
 @needs_triton
-def test_linear_routes_decode_batches_of_contiguous_half_tensors_to_the_kernel(
+def test_linear_routes_only_small_contiguous_half_batches_to_the_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """linear() and silu_and_mul_linear() off the CPU, on meta tensors with triton taken to
-    apply: the kernel for up to SKINNY_MAX_ROWS rows of contiguous bf16/fp16 (bias
-    included) of a weight up to SKINNY_MAX_N wide, and for a wider one (the LM head) up to
-    CUDA_CORE_MAX_ROWS; F.linear (after silu_and_mul) for everything else."""
+    """linear() off the CPU, on meta tensors with triton taken to apply: the kernel for at
+    most SKINNY_MAX_ROWS rows of contiguous bf16/fp16 (bias included, the LM head's shape
+    too), F.linear for everything else."""
     from engine.kernels import triton_linear
 
     calls = []
 
-    def recording_kernel(x, weight, bias=None, config=None, gated=False):
-        calls.append((tuple(x.shape), tuple(weight.shape), bias is not None, gated))
-        if gated:
-            x = x[:, : weight.shape[1]]
+    def recording_kernel(x, weight, bias=None):
+        calls.append((tuple(x.shape), tuple(weight.shape), bias is not None))
         return F.linear(x, weight, bias)
 
     monkeypatch.setattr(llama, "use_triton", lambda x: True)
     monkeypatch.setattr(triton_linear, "skinny_linear", recording_kernel)
-    monkeypatch.setattr(llama, "silu_and_mul", lambda gate_up: gate_up.chunk(2, dim=-1)[0])
 
     def routed(x, weight, bias=None) -> bool:
         calls.clear()
@@ -172,30 +137,16 @@ def test_linear_routes_decode_batches_of_contiguous_half_tensors_to_the_kernel(
         assert out.shape == (*x.shape[:-1], weight.shape[0])
         return bool(calls)
 
-    def routed_gated(gate_up, weight) -> bool:
-        calls.clear()
-        out = llama.silu_and_mul_linear(gate_up, weight)
-        assert out.shape == (gate_up.shape[0], weight.shape[0])
-        return calls == [(tuple(gate_up.shape), tuple(weight.shape), False, True)]
-
-    limit, widest = llama.SKINNY_MAX_ROWS, llama.SKINNY_MAX_N
+    limit = llama.SKINNY_MAX_ROWS
     bf16 = {"dtype": torch.bfloat16, "device": "meta"}
     weight, bias = torch.empty(4096, 1024, **bf16), torch.empty(4096, **bf16)
-    lm_head = torch.empty(151936, 1024, **bf16)
     assert routed(torch.empty(1, 1024, **bf16), weight)
     assert routed(torch.empty(limit, 1024, **bf16), weight, bias)
-    assert routed(torch.empty(limit, 1024, **bf16), torch.empty(widest, 1024, **bf16))
-    assert routed(torch.empty(triton_linear.CUDA_CORE_MAX_ROWS, 1024, **bf16), lm_head)
+    assert routed(torch.empty(limit, 1024, **bf16), torch.empty(151936, 1024, **bf16))  # LM head
     half = {"dtype": torch.float16, "device": "meta"}
     assert routed(torch.empty(2, 1024, **half), torch.empty(4096, 1024, **half))
-    down = torch.empty(1024, 3072, **bf16)
-    assert routed_gated(torch.empty(1, 6144, **bf16), down)
-    assert routed_gated(torch.empty(limit, 6144, **bf16), down)
 
     assert not routed(torch.empty(limit + 1, 1024, **bf16), weight)  # a prefill
-    assert not routed_gated(torch.empty(limit + 1, 6144, **bf16), down)
-    assert not routed(torch.empty(3, 1024, **bf16), lm_head)
-    assert not routed(torch.empty(3, 1024, **bf16), torch.empty(widest + 1, 1024, **bf16))
     assert not routed(torch.empty(1, 1024, device="meta"), torch.empty(4096, 1024, device="meta"))
     assert not routed(torch.empty(1024, 2, **bf16).T, weight)  # strided x
     assert not routed(torch.empty(1, 1, 1024, **bf16), weight)  # 3-D x
@@ -204,7 +155,6 @@ def test_linear_routes_decode_batches_of_contiguous_half_tensors_to_the_kernel(
 
     monkeypatch.setattr(llama, "use_triton", lambda x: False)  # no triton, or not CUDA
     assert not routed(torch.empty(1, 1024, **bf16), weight)
-    assert not routed_gated(torch.empty(1, 6144, **bf16), down)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,7 @@
 # Steps (arguments, in any order): tests, kernels, linear, attention, bench, bench-hf (adds
 # transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
-# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, linear,
-# linear-sweep. flashinfer's JIT cache lives in .ficache/ (git-ignored); it travels
+# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill. flashinfer's JIT cache lives in .ficache/ (git-ignored); it travels
 # as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
 # ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
 # next call.
@@ -32,9 +31,8 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     # Only the modules with GPU tests: the others import test-only packages the device lacks.
-    # PYTEST_K=<expression> runs only the GPU tests it selects.
     tests) python3 -m pytest -q -s -m gpu $(grep -l "pytest.mark.gpu" tests/*.py) \
-        ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee -a "$OUT/log.txt" ;;
+        -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
@@ -60,9 +58,6 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
     profile-prefill) python3 benchmarks/gpu_profile.py --prefill 2>&1 | tee -a "$OUT/log.txt" ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    linear-sweep) python3 benchmarks/gpu_kernels.py --tokens --sample-rows --linear-rows 16 64 256 \
-        --linear-shapes qkv o_proj gate_up down_gated --linear-sweep \
-        --json-out "$OUT/gpu-kernels-linear-sweep.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}

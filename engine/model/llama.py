@@ -43,15 +43,11 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-# Decode batches of up to this many rows take the skinny-GEMM Triton kernel
-# (engine/kernels/triton_linear.py) on CUDA for weights of up to SKINNY_MAX_N output
-# features; the LM head and anything larger only at up to CUDA_CORE_MAX_ROWS rows. cuBLAS
-# cuts a decode projection into too few output tiles to keep the GPU's SMs streaming the
-# weight; the kernel splits K instead. A wider weight gives cuBLAS tiles enough (at
-# N = 16,384 it has 128 of 128 columns), and at 256 rows the LM head's product is
-# compute, where cuBLAS's large tiles win. Measured: benchmarks/gpu_kernels.py, RESULTS.md.
-SKINNY_MAX_ROWS = 256
-SKINNY_MAX_N = 16384
+# Up to this many rows (decode batches), CUDA bf16/fp16 projections take the skinny-GEMM
+# Triton kernel (engine/kernels/triton_linear.py) instead of cuBLAS. Measured on the H200
+# (benchmarks/gpu_kernels.py, RESULTS.md): a decoder layer's four projections take 22.6 vs
+# 31.2 us at 1 row and 21.4 vs 26.8 at 2; at 4 rows they are even, from 8 cuBLAS wins.
+SKINNY_MAX_ROWS = 2
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,8 +58,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     CI machine, see benchmarks/RESULTS.md). The result is a transposed view; the ops that
     follow accept any strides, and the next projection reads it back as contiguous.
 
-    On CUDA a decode batch's projection goes to the skinny-GEMM Triton kernel
-    (takes_skinny_kernel); anything else (prefills, float32, strided x) to F.linear (cuBLAS).
+    On CUDA a decode batch of at most SKINNY_MAX_ROWS rows is a weight read, and the
+    skinny-GEMM Triton kernel is built for exactly that (one pass over the weight, wide
+    loads, every row of x per weight tile). Anything else (prefills, float32, strided x)
+    goes to F.linear (cuBLAS).
     """
     if x.device.type == "cpu":
         out = (weight @ x.T).T
@@ -75,37 +73,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation, then the down projection: silu(gate) * up @ weight.T.
-
-    Where the skinny-GEMM kernel takes the product, it applies the activation as it loads
-    its operand (gated=True): one kernel instead of two, and no [T, I] intermediate.
-    """
-    if takes_skinny_kernel(gate_up, weight, gated=True):
-        from engine.kernels import triton_linear
-
-        return triton_linear.skinny_linear(gate_up, weight, gated=True)
-    return linear(silu_and_mul(gate_up), weight)
-
-
 def takes_skinny_kernel(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> bool:
-    """Whether linear() (silu_and_mul_linear() with gated) on a CUDA tensor runs
-    engine/kernels/triton_linear.py."""
-    if x.dim() != 2 or not use_triton(x):
-        return False
-    from engine.kernels.triton_linear import CUDA_CORE_MAX_ROWS
-
-    max_rows = SKINNY_MAX_ROWS if weight.shape[0] <= SKINNY_MAX_N else CUDA_CORE_MAX_ROWS
+    """Whether linear() on a CUDA tensor runs engine/kernels/triton_linear.py."""
     return (
-        1 <= x.shape[0] <= max_rows
-        and x.shape[1] == (2 if gated else 1) * weight.shape[1]
+        x.dim() == 2
+        and x.shape[0] <= SKINNY_MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
         and x.is_contiguous()
         and weight.is_contiguous()
+        and use_triton(x)
     )
 
 
@@ -175,7 +155,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_linear(self.gate_up_proj(x), self.down_proj.weight)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
