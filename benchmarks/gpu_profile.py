@@ -8,7 +8,8 @@ token post-processing (detokenize, stops, events). A step whose runner time is m
 wait is GPU-bound; one whose time is mostly host phases is bound by Python. A timeline
 then shows each window of 100 steps: its mean step time and what the steps held. --kernels
 instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel; --prefill
-the workload's first steps, until every prompt is prefilled.
+the workload's first steps, until every prompt is prefilled; --run-kernels the whole
+workload: GPU time by kernel and the share of the run the GPU was busy.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def main() -> None:
         help="GPU time by kernel over the workload's first steps, until every prompt is prefilled",
     )
     p.add_argument(
+        "--run-kernels",
+        action="store_true",
+        help="GPU time by kernel over the whole workload, and the share of it the GPU was busy",
+    )
+    p.add_argument(
         "--rows",
         type=int,
         default=None,
@@ -78,6 +84,9 @@ def main() -> None:
     ]
     if args.prefill:
         profile_prefill(engine, work, params)
+        return
+    if args.run_kernels:
+        profile_run_kernels(llm, work, params)
         return
     if args.kernels:
         if args.rows is not None:  # batch-1 latency's shape: short prompts, long outputs
@@ -148,6 +157,59 @@ def profile_kernels(engine, work, params) -> None:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue())
+
+
+def profile_run_kernels(llm, work, params) -> None:
+    """The whole workload under torch.profiler, GPU activity only: GPU time by kernel and
+    by kind, and the union of kernel intervals against the run's wall time, so what the
+    GPU spent idle between kernels (launch gaps, waits for the host). The profiler slows
+    the host, so the idle share is an upper bound; kernel times are the GPU's own."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(work.prompts, params)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    kernels = [
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    kernels.sort()
+    busy_us, reach = 0.0, float("-inf")  # union of [start, end) intervals
+    for begin, end, _ in kernels:
+        busy_us += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    span_us = reach - kernels[0][0]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_kind: dict[str, float] = defaultdict(float)
+    for begin, end, name in kernels:
+        by_name[name][0] += 1
+        by_name[name][1] += end - begin
+        by_kind[kernel_kind(name)] += end - begin
+    print(
+        f"whole run: {elapsed:.3f} s wall under the profiler; {len(kernels)} kernels over"
+        f" {span_us / 1e6:.3f} s from the first to the last; GPU busy {busy_us / 1e6:.3f} s"
+        f" ({busy_us / span_us:.1%}), idle {(span_us - busy_us) / 1e6:.3f} s"
+    )
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<12} {us / 1e6:7.3f} s  {us / busy_us:6.1%}")
+    print(f"{'count':>8} {'total ms':>10} {'mean us':>8}  kernel")
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
+        print(f"{count:8d} {us / 1e3:10.1f} {us / count:8.1f}  {name[:110]}")
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind, from its name: attention (flashinfer), GEMM (cuBLAS/CUTLASS), the
+    engine's Triton kernels, or other (copies, fills, torch's elementwise ops)."""
+    lowered = name.lower()
+    if any(part in lowered for part in ("flashinfer", "batchdecode", "batchprefill", "mergestate")):
+        return "attention"
+    if any(part in lowered for part in ("gemm", "nvjet", "xmma", "cutlass", "splitk")):
+        return "gemm"
+    if (lowered.startswith("_") and "kernel" in lowered) or "race" in lowered:
+        return "triton"
+    return "other"
 
 
 def profile_prefill(engine, work, params) -> None:
