@@ -277,8 +277,13 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 events += self._collect(launched)
-        self._full_passes.after_step(idle=not self.has_unfinished_requests)
+        self._full_passes.after_step()
         return events
+
+    def collect_garbage(self) -> None:
+        """A full pass of Python's garbage collector if steps ran since the last one: for
+        an engine loop that has fallen idle (engine/collector.py)."""
+        self._full_passes.collect_if_worked()
 
     def _launch(
         self,
