@@ -181,8 +181,6 @@ def run_engine_loop(
             deliver(loop_output(engine, admissions, events))
         if engine.has_unfinished_requests:
             deliver(loop_output(engine, [], engine.step()))
-            if not engine.has_unfinished_requests:  # fell idle: the collector's turn
-                engine.collect_garbage()
 
 
 def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
