@@ -9,8 +9,9 @@ uneven lengths of the offline workload's own decode steps (WORKLOAD_STEPS); the 
 the KV bytes read per second, against the roofline's copy bandwidth. Variants: the
 CUDA-core kernel and the tensor-core one (flashinfer's prefill kernels), which
 engine/attention/flashinfer_backend.py picks between by batch size, on the engine's pool
-(NHD layout, 16-token pages); the workload's steps also with the batch ordered longest
-context first. TensorRT-LLM's XQA kernel (flashinfer.decode.xqa_batch_decode_with_kv_cache)
+(NHD layout, 16-token pages), and the tensor-core path with its KV split off or at a
+fixed length (each split costs a merge kernel); the workload's steps also with the batch
+ordered longest context first (--workload-only: the workload's steps as they come). TensorRT-LLM's XQA kernel (flashinfer.decode.xqa_batch_decode_with_kv_cache)
 is still in decode_call, out of VARIANTS. Earlier runs found no gain in the HND layout
 (results/h200-attention-layouts-a9c9c32.json), in 32-token pages or in the FA3 backend of
 the tensor-core path (1.5-1.9 TB/s; results/h200-attention-8b04cba.json).
@@ -56,7 +57,17 @@ def workload_contexts(step: int) -> list[int]:
 VARIANTS = (
     ("cuda-core", 16),  # BatchDecodeWithPagedKVCacheWrapper
     ("tensor-core", 16),  # the same wrapper on the prefill kernels (backend auto)
+    # The tensor-core path's KV split, which costs a merge kernel per layer: none, or a
+    # fixed split length instead of the planner's (flashinfer's plan() options).
+    ("tensor-core, no split", 16),
+    ("tensor-core, 128-token splits", 16),
+    ("tensor-core, 512-token splits", 16),
 )
+SPLIT_OPTIONS = {  # variant -> extra plan() arguments
+    "tensor-core, no split": {"disable_split_kv": True},
+    "tensor-core, 128-token splits": {"fixed_split_size": 8},  # in 16-token pages
+    "tensor-core, 512-token splits": {"fixed_split_size": 32},
+}
 
 
 def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, page_size: int, out):
@@ -100,6 +111,7 @@ def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, pag
         sm_scale=scale,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
+        **SPLIT_OPTIONS.get(variant, {}),
     )
     return lambda: wrapper.run(q, cache, out=out)
 
@@ -145,16 +157,20 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--json-out", type=Path)
+    p.add_argument(
+        "--workload-only", action="store_true", help="only the workload's own steps, as given"
+    )
     args = p.parse_args()
-    shapes = {f"{batch} x {context}": [context] * batch for batch, context in SHAPES}
-    shapes |= {f"workload step {step}": workload_contexts(step) for step in WORKLOAD_STEPS}
-    # The same steps with the batch ordered longest context first: the GPU hands out thread
-    # blocks in batch order, so the longest sequences start first and the short ones fill
-    # in behind them (longest-processing-time-first scheduling).
-    shapes |= {
-        f"workload step {step}, longest first": sorted(workload_contexts(step), reverse=True)
-        for step in WORKLOAD_STEPS
-    }
+    shapes = {f"workload step {step}": workload_contexts(step) for step in WORKLOAD_STEPS}
+    if not args.workload_only:
+        shapes |= {f"{batch} x {context}": [context] * batch for batch, context in SHAPES}
+        # The same steps with the batch ordered longest context first: the GPU hands out
+        # thread blocks in batch order, so the longest sequences start first and the short
+        # ones fill in behind them (longest-processing-time-first scheduling).
+        shapes |= {
+            f"workload step {step}, longest first": sorted(workload_contexts(step), reverse=True)
+            for step in WORKLOAD_STEPS
+        }
     rows = []
     for name, contexts in shapes.items():
         for page_size in sorted({size for _, size in VARIANTS}):
