@@ -10,7 +10,7 @@ the KV bytes read per second, against the roofline's copy bandwidth. Variants: t
 CUDA-core kernel and the tensor-core one (flashinfer's prefill kernels), which
 engine/attention/flashinfer_backend.py picks between by batch size, on the engine's pool
 (NHD layout, 16-token pages), and the tensor-core path with its KV split off or at a
-fixed length (each split costs a merge kernel); the workload's steps also with the batch
+fixed length (each split costs a merge kernel) or on 32- and 64-token pages; the workload's steps also with the batch
 ordered longest context first (--workload-only: the workload's steps as they come). TensorRT-LLM's XQA kernel (flashinfer.decode.xqa_batch_decode_with_kv_cache)
 is still in decode_call, out of VARIANTS. Earlier runs found no gain in the HND layout
 (results/h200-attention-layouts-a9c9c32.json), in 32-token pages or in the FA3 backend of
@@ -62,6 +62,9 @@ VARIANTS = (
     ("tensor-core, no split", 16),
     ("tensor-core, 128-token splits", 16),
     ("tensor-core, 512-token splits", 16),
+    # Larger pages for the tensor-core path (the CUDA-core kernel's changed < 3% at 32).
+    ("tensor-core", 32),
+    ("tensor-core", 64),
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
