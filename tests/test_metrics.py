@@ -56,30 +56,52 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+async def stats_while_running(engine: AsyncEngine, request_id: str, prompt: list[int]):
+    """The engine's stats as seen right after a request's first event, and once the engine
+    has settled after the request is cancelled there. The request asks for 200 tokens, so
+    it is still running when the consumer looks unless the consumer lags 200 steps behind
+    the engine (a request of a few tokens could be over by then on a loaded machine)."""
+    params = SamplingParams(max_tokens=200, **GREEDY)  # 203 of the pool's 256 tokens
+    async for _ in engine.generate(request_id, prompt, params):
+        during = engine.stats  # published before the event: at least as new
+        break  # leaving the loop cancels the request
+    for _ in range(500):
+        settled = engine.stats
+        if settled.num_running_requests == 0 and settled.num_kv_blocks_used == 0:
+            return during, settled
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine did not settle after the cancel: {settled}")
+
+
 async def test_engine_stats_count_work_and_prefix_hits(tiny_model):
     engine = start_engine(tiny_model, num_blocks=64)
     try:
         assert engine.stats.num_generated_tokens == 0 and engine.stats.num_kv_blocks_total == 64
-        prompt = list(range(1, 10))  # 9 tokens: two full blocks of 4, then the last token
-        params = SamplingParams(n=2, max_tokens=6, **GREEDY)
-
-        events, during = await run(engine, "a", prompt, params)
-        after = engine.stats
+        during, base = await stats_while_running(engine, "hold", [50, 51, 52])
         assert during.num_kv_blocks_used > 0 and during.kv_cache_usage > 0
         assert (during.num_running_requests, during.num_waiting_requests) == (1, 0)
-        assert after.num_generated_tokens == sum(len(e.token_ids) for e in events) == 12
-        assert after.num_prompt_tokens_computed == 9  # the n=2 candidates share one prefill
+        assert base.num_generated_tokens > 0 and base.prefix_cache_queried_tokens == 3
+
+        prompt = list(range(1, 10))  # 9 tokens: two full blocks of 4, then the last token
+        params = SamplingParams(n=2, max_tokens=6, **GREEDY)
+        events, _ = await run(engine, "a", prompt, params)
+        after = engine.stats
+        produced = sum(len(e.token_ids) for e in events)
+        assert after.num_generated_tokens - base.num_generated_tokens == produced == 12
+        # The n=2 candidates share one prefill.
+        assert after.num_prompt_tokens_computed - base.num_prompt_tokens_computed == 9
         assert after.num_kv_blocks_used == 0 and after.num_running_requests == 0
-        assert after.num_steps >= 6 and after.num_preemptions == 0
-        assert (after.prefix_cache_queried_tokens, after.prefix_cache_hit_tokens) == (9, 0)
+        assert after.num_steps - base.num_steps >= 6 and after.num_preemptions == 0
+        assert after.prefix_cache_queried_tokens - base.prefix_cache_queried_tokens == 9
+        assert after.prefix_cache_hit_tokens == base.prefix_cache_hit_tokens == 0
 
         await run(engine, "b", prompt, SamplingParams(max_tokens=2, **GREEDY))
         again = engine.stats
         # The two full prompt blocks are reused; the last prompt token is always computed.
         assert again.prefix_cache_hit_tokens == 8
         assert again.num_prompt_tokens_computed - after.num_prompt_tokens_computed == 1
-        assert again.prefix_cache_hit_rate == pytest.approx(8 / 18)
-        assert again.num_generated_tokens == 14
+        assert again.prefix_cache_hit_rate == pytest.approx(8 / (3 + 9 + 9))
+        assert again.num_generated_tokens - after.num_generated_tokens == 2
     finally:
         engine.shutdown(timeout=5)
 
