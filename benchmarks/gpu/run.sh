@@ -5,7 +5,8 @@
 #
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
-# Steps (arguments, in any order): tests, kernels, linear, attention, attention-workload, bench, bench-hf (adds
+# Steps (arguments, in any order): tests, kernels, linear, attention, attention-workload, bench,
+# bench-base (bench on the engine benchmarks/gpu/ab_base.sh staged), bench-hf (adds
 # transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill,
@@ -39,6 +40,10 @@ for step in "$@"; do
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    # The engine benchmarks/gpu/ab_base.sh staged in .ab_base, under this tree's benchmark.
+    bench-base) (cd .ab_base && BENCH_COMMIT=$(cat COMMIT) PYTHONPATH=/tmp/site:$PWD \
+        python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b-base.json") 2>&1 \
+        | tee -a "$OUT/log.txt" ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
         --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-32k) python3 benchmarks/gpu_bench.py --max-num-batched-tokens 32768 \
