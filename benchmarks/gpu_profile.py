@@ -161,9 +161,10 @@ def profile_kernels(engine, work, params) -> None:
 
 def profile_run_kernels(llm, work, params) -> None:
     """The whole workload under torch.profiler, GPU activity only: GPU time by kernel and
-    by kind, and the union of kernel intervals against the run's wall time, so what the
-    GPU spent idle between kernels (launch gaps, waits for the host). The profiler slows
-    the host, so the idle share is an upper bound; kernel times are the GPU's own."""
+    by kind, the union of kernel intervals against the run's wall time, and the idle
+    stretches between kernels by length (launch gaps inside graphs are a few us, waits for
+    the host longer). The profiler slows the host, so the long stretches are an upper
+    bound; kernel times are the GPU's own."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -177,7 +178,15 @@ def profile_run_kernels(llm, work, params) -> None:
     ]
     kernels.sort()
     busy_us, reach = 0.0, float("-inf")  # union of [start, end) intervals
+    # Idle stretches by length: a few us between kernels of a graph is launch latency;
+    # longer ones are the GPU waiting for the host to queue the next step.
+    gaps = {"< 2 us": [0, 0.0], "2-10 us": [0, 0.0], "10-100 us": [0, 0.0], ">= 100 us": [0, 0.0]}
     for begin, end, _ in kernels:
+        if begin > reach > float("-inf"):
+            gap = begin - reach
+            kind = next(k for k, top in zip(gaps, (2, 10, 100, float("inf"))) if gap < top)
+            gaps[kind][0] += 1
+            gaps[kind][1] += gap
         busy_us += max(0.0, end - max(begin, reach))
         reach = max(reach, end)
     span_us = reach - kernels[0][0]
@@ -194,6 +203,9 @@ def profile_run_kernels(llm, work, params) -> None:
     )
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<12} {us / 1e6:7.3f} s  {us / busy_us:6.1%}")
+    print("idle stretches between kernels, by length:")
+    for kind, (count, us) in gaps.items():
+        print(f"  {kind:<10} {count:8d} gaps  {us / 1e6:7.3f} s")
     print(f"{'count':>8} {'total ms':>10} {'mean us':>8}  kernel")
     for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
         print(f"{count:8d} {us / 1e3:10.1f} {us / count:8.1f}  {name[:110]}")
