@@ -33,14 +33,11 @@ def start_engine(tiny_model, **cache) -> AsyncEngine:
     return engine
 
 
-async def run(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams):
-    """All events of one request, and the engine stats seen right after its first event."""
-    events: list[CandidateEvent] = []
-    during = None
-    async for event in engine.generate(request_id, prompt, params):
-        events.append(event)
-        during = during or engine.stats
-    return events, during
+async def run(
+    engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[CandidateEvent]:
+    """All events of one request."""
+    return [event async for event in engine.generate(request_id, prompt, params)]
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -84,7 +81,7 @@ async def test_engine_stats_count_work_and_prefix_hits(tiny_model):
 
         prompt = list(range(1, 10))  # 9 tokens: two full blocks of 4, then the last token
         params = SamplingParams(n=2, max_tokens=6, **GREEDY)
-        events, _ = await run(engine, "a", prompt, params)
+        events = await run(engine, "a", prompt, params)
         after = engine.stats
         produced = sum(len(e.token_ids) for e in events)
         assert after.num_generated_tokens - base.num_generated_tokens == produced == 12
@@ -116,7 +113,7 @@ async def test_preemptions_counted_under_a_tiny_kv_pool(tiny_model):
         )
         stats = engine.stats
         assert stats.num_preemptions > 0
-        produced = sum(len(e.token_ids) for events, _ in results for e in events)
+        produced = sum(len(e.token_ids) for events in results for e in events)
         assert stats.num_generated_tokens == produced == 64  # recompute samples nothing twice
         assert stats.num_prompt_tokens_computed >= 16
         assert stats.num_kv_blocks_used == 0 and stats.num_waiting_requests == 0
@@ -136,7 +133,7 @@ async def test_metrics_scraped_over_http(tiny_model):
         assert before["pagedserve_e2e_request_latency_seconds_count"] == 0
 
         attached.append(engine)
-        events, _ = await run(engine, "m", [5, 6, 7], SamplingParams(n=2, max_tokens=6, **GREEDY))
+        events = await run(engine, "m", [5, 6, 7], SamplingParams(n=2, max_tokens=6, **GREEDY))
         metrics.request_finished([e for e in events if e.finished])
         metrics.rpc_finished("Generate", grpc.StatusCode.OK)
         metrics.rpc_finished("Generate", grpc.StatusCode.INVALID_ARGUMENT)
