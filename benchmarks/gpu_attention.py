@@ -4,15 +4,17 @@
 
 Decode attention is most of a steady decode step's GPU time (benchmarks/RESULTS.md), so
 this times the choices the engine could make for it, in a CUDA graph as the engine runs
-it. Shapes are Qwen3-0.6B's (16 q / 8 kv heads of 128, bf16): equal-length batch x context pairs, and the
-uneven lengths of the offline workload's own decode steps (WORKLOAD_STEPS); the figure is
-the KV bytes read per second, against the roofline's copy bandwidth. Variants: the
-CUDA-core kernel and the tensor-core one (flashinfer's prefill kernels), which
-engine/attention/flashinfer_backend.py picks between by batch size, on the engine's pool
-(NHD layout, 16-token pages), and the tensor-core path with its KV split off or at a
-fixed length (each split costs a merge kernel) or on 32- and 64-token pages; the workload's steps also with the batch
-ordered longest context first (--workload-only: the workload's steps as they come). TensorRT-LLM's XQA kernel (flashinfer.decode.xqa_batch_decode_with_kv_cache)
-is still in decode_call, out of VARIANTS. Earlier runs found no gain in the HND layout
+it. Shapes are Qwen3-0.6B's (16 q / 8 kv heads of 128, bf16): equal-length batch x
+context pairs, and the uneven lengths of the offline workload's own decode steps
+(WORKLOAD_STEPS); the figure is the KV bytes read per second, against the roofline's copy
+bandwidth. Variants: the CUDA-core kernel and the tensor-core one (flashinfer's prefill
+kernels), which engine/attention/flashinfer_backend.py picks between by batch size, on the
+engine's pool (NHD layout, 16-token pages), and the tensor-core path with its KV split off
+or at a fixed length (each split costs a merge kernel) or on 32- and 64-token pages; the
+workload's steps also with the batch ordered longest context first (--workload-only: the
+workload's steps as they come). TensorRT-LLM's XQA kernel
+(flashinfer.decode.xqa_batch_decode_with_kv_cache) is still in decode_call, out of
+VARIANTS. Earlier runs found no gain in the HND layout
 (results/h200-attention-layouts-a9c9c32.json), in 32-token pages or in the FA3 backend of
 the tensor-core path (1.5-1.9 TB/s; results/h200-attention-8b04cba.json).
 """

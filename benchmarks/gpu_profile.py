@@ -181,21 +181,20 @@ def profile_run_kernels(llm, work, params) -> None:
     # Idle stretches by length: a few us between kernels of a graph is launch latency;
     # longer ones are the GPU waiting for the host to queue the next step.
     gaps = {"< 2 us": [0, 0.0], "2-10 us": [0, 0.0], "10-100 us": [0, 0.0], ">= 100 us": [0, 0.0]}
-    for begin, end, _ in kernels:
-        if begin > reach > float("-inf"):
-            gap = begin - reach
-            kind = next(k for k, top in zip(gaps, (2, 10, 100, float("inf"))) if gap < top)
-            gaps[kind][0] += 1
-            gaps[kind][1] += gap
-        busy_us += max(0.0, end - max(begin, reach))
-        reach = max(reach, end)
-    span_us = reach - kernels[0][0]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_kind: dict[str, float] = defaultdict(float)
     for begin, end, name in kernels:
+        if begin > reach > float("-inf"):
+            gap = begin - reach
+            length = next(k for k, top in zip(gaps, (2, 10, 100, float("inf"))) if gap < top)
+            gaps[length][0] += 1
+            gaps[length][1] += gap
+        busy_us += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
         by_name[name][0] += 1
         by_name[name][1] += end - begin
         by_kind[kernel_kind(name)] += end - begin
+    span_us = reach - kernels[0][0]
     print(
         f"whole run: {elapsed:.3f} s wall under the profiler; {len(kernels)} kernels over"
         f" {span_us / 1e6:.3f} s from the first to the last; GPU busy {busy_us / 1e6:.3f} s"
@@ -204,8 +203,8 @@ def profile_run_kernels(llm, work, params) -> None:
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<12} {us / 1e6:7.3f} s  {us / busy_us:6.1%}")
     print("idle stretches between kernels, by length:")
-    for kind, (count, us) in gaps.items():
-        print(f"  {kind:<10} {count:8d} gaps  {us / 1e6:7.3f} s")
+    for length, (count, us) in gaps.items():
+        print(f"  {length:<10} {count:8d} gaps  {us / 1e6:7.3f} s")
     print(f"{'count':>8} {'total ms':>10} {'mean us':>8}  kernel")
     for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
         print(f"{count:8d} {us / 1e3:10.1f} {us / count:8.1f}  {name[:110]}")
