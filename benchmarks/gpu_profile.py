@@ -15,6 +15,7 @@ workload: GPU time by kernel and the share of the run the GPU was busy.
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import functools
 import gc
@@ -165,17 +166,25 @@ def profile_run_kernels(llm, work, params) -> None:
     stretches between kernels by length (launch gaps inside graphs are a few us, waits for
     the host longer). The profiler slows the host, so the long stretches are an upper
     bound; kernel times are the GPU's own."""
+    undo = annotate_host_phases(llm.engine)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        llm.generate(work.prompts, params)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-    kernels = [
-        (event.time_range.start, event.time_range.end, event.name)
-        for event in prof.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    ]
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            llm.generate(work.prompts, params)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+    finally:
+        undo()
+    kernels, phases = [], []
+    for event in prof.events():
+        interval = (event.time_range.start, event.time_range.end, event.name)
+        if event.name.startswith(PHASE_PREFIX):  # on the GPU too: the span of its kernels
+            if event.device_type == torch.autograd.DeviceType.CPU:
+                phases.append(interval)
+        elif event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append(interval)
     kernels.sort()
     busy_us, reach = 0.0, float("-inf")  # union of [start, end) intervals
     # Idle stretches by length: a few us between kernels of a graph is launch latency;
@@ -205,9 +214,120 @@ def profile_run_kernels(llm, work, params) -> None:
     print("idle stretches between kernels, by length:")
     for length, (count, us) in gaps.items():
         print(f"  {length:<10} {count:8d} gaps  {us / 1e6:7.3f} s")
+    print_long_gaps_by_host_phase(kernels, phases)
     print(f"{'count':>8} {'total ms':>10} {'mean us':>8}  kernel")
     for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
         print(f"{count:8d} {us / 1e3:10.1f} {us / count:8.1f}  {name[:110]}")
+
+
+PHASE_PREFIX = "host:"
+LONG_GAP_US = 100.0
+
+
+def annotate_host_phases(engine):
+    """Mark the engine's host phases, and Python's collector, as profiler ranges (named
+    PHASE_PREFIX + phase) so that idle stretches of the GPU can be set against them.
+    Returns a function that undoes it."""
+    runner = engine.runner
+    wrapped = {
+        (engine.scheduler, "schedule"): "schedule",
+        (runner, "execute"): "execute",
+        (runner, "collect"): "collect (wait for the GPU)",
+        (engine, "_collect"): "collect + token processing",
+    }
+    originals = {target: getattr(*target) for target in wrapped}
+    for (owner, attr), phase in wrapped.items():
+        fn = originals[(owner, attr)]
+        setattr(owner, attr, _in_range(PHASE_PREFIX + phase, fn))
+    collecting: list = []
+    # generation -> [passes, seconds, longest pause, objects it held at its longest]
+    passes: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
+
+    def on_gc(event: str, info: dict) -> None:
+        generation = info["generation"]
+        if event == "start":
+            collecting.append(
+                (
+                    time.perf_counter(),
+                    torch.profiler.record_function(f"{PHASE_PREFIX}gc gen{generation}"),
+                )
+            )
+            collecting[-1][1].__enter__()
+        elif collecting:
+            started, annotation = collecting.pop()
+            annotation.__exit__(None, None, None)
+            pause = time.perf_counter() - started
+            tally = passes[generation]
+            tally[0] += 1
+            tally[1] += pause
+            if pause > tally[2]:
+                tally[2] = pause
+                tally[3] = len(gc.get_objects()) if generation == 2 else 0
+
+    gc.callbacks.append(on_gc)
+
+    def undo() -> None:
+        gc.callbacks.remove(on_gc)
+        for (owner, attr), fn in originals.items():
+            setattr(owner, attr, fn)
+        print(
+            "Python's collector during the run (frozen at start-up:",
+            gc.get_freeze_count(),
+            "objects):",
+        )
+        for generation, (count, seconds, longest, objects) in sorted(passes.items()):
+            print(
+                f"  gen{generation}: {count:5d} passes, {seconds * 1e3:8.1f} ms, longest"
+                f" {longest * 1e3:6.2f} ms"
+                + (f" (objects tracked after it: {objects})" if generation == 2 else "")
+            )
+
+    return undo
+
+
+def _in_range(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def print_long_gaps_by_host_phase(
+    kernels: list[tuple[float, float, str]], phases: list[tuple[float, float, str]]
+) -> None:
+    """The GPU's idle stretches of >= LONG_GAP_US, by what the host was doing meanwhile (the
+    innermost annotated phase, sampled every 5 us) and by where in the run they fell (the
+    engine step they ended in)."""
+    phases.sort()
+    steps = [begin for begin, _, name in phases if name == PHASE_PREFIX + "schedule"]
+    by_phase: dict[str, float] = defaultdict(float)
+    by_window: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])
+    reach, first = float("-inf"), 0
+    for begin, end, _ in kernels:
+        if reach > float("-inf") and begin - reach >= LONG_GAP_US:
+            window = (bisect.bisect_right(steps, begin) - 1) // 50 * 50
+            by_window[window][0] += 1
+            by_window[window][1] += begin - reach
+            while first < len(phases) and phases[first][1] < reach - 1e6:
+                first += 1  # no phase lasts a second: the ones ending before can go
+            live = [p for p in phases[first:] if p[0] < begin and p[1] > reach]
+            t = reach
+            while t < begin:
+                inside = [p for p in live if p[0] <= t < p[1]]
+                # innermost: the latest-starting range holding t
+                phase = max(inside)[2][len(PHASE_PREFIX) :] if inside else "(outside the steps)"
+                by_phase[phase] += min(5.0, begin - t)
+                t += 5.0
+        reach = max(reach, end)
+    total = sum(by_phase.values())
+    print(f"idle stretches >= {LONG_GAP_US:.0f} us, {total / 1e6:.3f} s, by the host's phase:")
+    for phase, us in sorted(by_phase.items(), key=lambda kv: -kv[1]):
+        print(f"  {phase:<34} {us / 1e3:8.1f} ms")
+    print("  ... by engine step (window of 50):")
+    for window, (count, us) in sorted(by_window.items()):
+        print(f"  {window:5d}+  {count:5d} stretches  {us / 1e3:8.1f} ms")
 
 
 def kernel_kind(name: str) -> str:
