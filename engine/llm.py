@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig, engine_config_from_flat
 from engine.engine import LLMEngine
-from engine.outputs import CandidateEvent, RequestOutput
+from engine.outputs import RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -76,17 +76,17 @@ class LLM:
             self.engine.add_request(request_id, tokens, params)
             request_ids.append(request_id)
 
-        events: dict[str, list[CandidateEvent]] = {rid: [] for rid in request_ids}
+        builders = {
+            rid: RequestOutputBuilder.start(rid, tokens, params.n)
+            for rid, tokens, params in zip(request_ids, token_lists, params_list)
+        }
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
         done = 0
         while self.engine.has_unfinished_requests:
             for event in self.engine.step():
-                events[event.request_id].append(event)
+                builders[event.request_id].add(event)
             finished = sum(rid not in self.engine.requests for rid in request_ids)
             bar.update(finished - done)
             done = finished
         bar.close()
-        return [
-            RequestOutput.from_events(rid, tokens, params.n, events[rid])
-            for rid, tokens, params in zip(request_ids, token_lists, params_list)
-        ]
+        return [builders[rid].build() for rid in request_ids]

@@ -7,6 +7,7 @@ single output."""
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -122,6 +123,36 @@ def test_n_candidates_share_prompt_blocks(llm):
     assert len({tuple(o.token_ids) for o in greedy.outputs}) == 1
     assert out.usage.completion_tokens == 48
     assert_pool_empty(llm)
+
+
+def test_generate_keeps_outputs_not_events(llm, monkeypatch):
+    """generate() folds each event into its request's output as it comes: at most one event
+    (its loop variable's) outlives the step after it; holding them all kept ~270k objects
+    alive in a large offline batch, for Python's collector to walk. The outputs are whole
+    all the same."""
+    vocab = llm.engine.model_config.vocab_size
+    prompts = random_prompts(2, vocab, seed=14)
+    params = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=3, logprobs=2)
+    events: list[weakref.ref] = []
+    alive_a_step_later = []
+    step = llm.engine.step
+
+    def watched_step():
+        alive_a_step_later.append(sum(ref() is not None for ref in events))
+        new = step()
+        events.extend(weakref.ref(e) for e in new)
+        return new
+
+    monkeypatch.setattr(llm.engine, "step", watched_step)
+    outs = llm.generate(prompts, params)
+    assert len(events) > 10
+    assert max(alive_a_step_later) <= 1
+    for out in outs:
+        assert [len(o.token_ids) for o in out.outputs] == [10, 10]
+        assert all(len(o.logprobs) == 10 for o in out.outputs)
+        text = llm.tokenizer.decode(out.outputs[1].token_ids)
+        assert out.outputs[1].text == text
+    assert outs[0].usage.completion_tokens == 20
 
 
 def test_stop_string_trims_and_reports(llm):
