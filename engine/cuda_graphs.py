@@ -1,15 +1,12 @@
 """CUDA graphs for decode steps: captured per batch-size bucket at start-up, replayed per step.
 
 A decode step launches hundreds of small kernels, and on a slow host their launch time,
-not the GPU, sets the pace. So once the KV pool exists, the whole model forward and the LM
-head are captured for each bucket size (largest first, every graph in one shared memory
-pool) over static buffers (GraphBuffers). A step of n decodes is padded to the smallest
-bucket b >= n (DecodeInputs.padded, batch_size_for), its uploaded inputs are copied into
-the first b columns of the static buffer, attention is planned for b sequences
-(flashinfer's plan is host code: it runs before the replay, outside the graph) and the
-graph replays, leaving the logits of all b rows in the graph's output. The LM head is in
-the graph because eagerly its shape changed with every step's batch size, and cuBLAS
-chose a kernel anew for each new shape: ~0.4 ms of host time a step on the H200's host.
+not the GPU, sets the pace. So once the KV pool exists, the whole model forward is
+captured for each bucket size (largest first, every graph in one shared memory pool) over
+static buffers (GraphBuffers). A step of n decodes is padded to the smallest bucket
+b >= n (DecodeInputs.padded, batch_size_for), its uploaded inputs are copied into the
+first b columns of the static buffer, attention is planned for b sequences (flashinfer's
+plan is host code: it runs before the replay, outside the graph) and the graph replays.
 
 Rows n..b are padding: token 0 at position 0, KV written nowhere (slot -1), attending to
 a one-token dummy page (block 0, whatever it holds); their outputs are dropped.
@@ -35,8 +32,7 @@ _BUCKETS += tuple(range(160, 257, 32)) + tuple(range(320, MAX_GRAPH_BATCH + 1, 6
 DUMMY_BLOCK = 0  # the page padding rows attend to
 # Device memory the graphs hold beyond the KV pool, kept free when the pool is sized:
 # flashinfer gives each CUDA-graph decode wrapper its own 8 MiB int workspace, and the
-# shared pool holds the activations of the largest bucket's forward and every bucket's
-# logits (graph_memory_reserve adds those).
+# shared pool holds the activations of the largest bucket's forward.
 _WRAPPER_BYTES = 8 * 2**20
 _POOL_BYTES = 256 * 2**20
 
@@ -48,11 +44,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in _BUCKETS if b < cap] + [cap]
 
 
-def graph_memory_reserve(batch_sizes: list[int], logits_row_bytes: int) -> int:
-    """Bytes the graphs of these batch sizes hold; logits_row_bytes is one row of logits
-    (vocabulary x the model's element size): each graph keeps its own logits output."""
-    logits = sum(batch_sizes) * logits_row_bytes
-    return len(batch_sizes) * _WRAPPER_BYTES + _POOL_BYTES + logits
+def graph_memory_reserve(batch_sizes: list[int]) -> int:
+    return len(batch_sizes) * _WRAPPER_BYTES + _POOL_BYTES
 
 
 @dataclass
@@ -87,10 +80,16 @@ class GraphBuffers:
     kv_indptr: torch.Tensor  # int32 [max_batch + 1]
     kv_indices: torch.Tensor  # int32 [max_batch * max_blocks_per_seq]
     kv_last_page_len: torch.Tensor  # int32 [max_batch]
+    hidden: torch.Tensor  # [max_batch, hidden_size]: the model's output
 
     @classmethod
     def allocate(
-        cls, max_batch: int, max_blocks_per_seq: int, device: torch.device
+        cls,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> GraphBuffers:
         def zeros(size: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -100,6 +99,7 @@ class GraphBuffers:
             kv_indptr=zeros(max_batch + 1, torch.int32),
             kv_indices=zeros(max_batch * max_blocks_per_seq, torch.int32),
             kv_last_page_len=zeros(max_batch, torch.int32),
+            hidden=torch.zeros(max_batch, hidden_size, dtype=dtype, device=device),
         )
 
 
@@ -112,19 +112,19 @@ class CudaGraphRunner:
         block_size: int,
         batch_sizes: list[int],
         max_blocks_per_seq: int,
+        hidden_size: int,
+        dtype: torch.dtype,
     ):
-        """model: a LlamaForCausalLM (forward, then compute_logits)."""
         self.model = model
         self.attn = attn
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.batch_sizes = sorted(batch_sizes)
         self.device = kv_caches[0].device
-        self.buffers = GraphBuffers.allocate(self.batch_sizes[-1], max_blocks_per_seq, self.device)
+        self.buffers = GraphBuffers.allocate(
+            self.batch_sizes[-1], max_blocks_per_seq, hidden_size, dtype, self.device
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Each graph's output: [its batch size, vocab] logits in the shared pool, which
-        # every replay of that graph overwrites.
-        self.logits: dict[int, torch.Tensor] = {}
         self._capture_all()
 
     @property
@@ -143,11 +143,11 @@ class CudaGraphRunner:
         block_tables: list[list[int]],  # [b]
     ) -> torch.Tensor:
         """Replay the graph of a step padded to a captured batch size b (DecodeInputs.padded);
-        the logits [b, vocab], the graph's static output, which its next replay overwrites."""
+        the hidden states [b, hidden], a view of the static output the next replay overwrites."""
         batch_size = len(seq_lens)
         self._stage(token_inputs, seq_lens, block_tables)
         self.graphs[batch_size].replay()
-        return self.logits[batch_size]
+        return self.buffers.hidden[:batch_size]
 
     def _stage(
         self, token_inputs: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]]
@@ -174,7 +174,7 @@ class CudaGraphRunner:
             self._forward(size, meta)  # warm-up: JIT compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size, meta)
+                self._forward(size, meta)
             pool = pool or graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -186,10 +186,9 @@ class CudaGraphRunner:
             used / 2**30,
         )
 
-    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, size: int, meta: AttentionMetadata) -> None:
         input_ids, positions = self.buffers.token_inputs[:2, :size]
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        self.buffers.hidden[:size] = self.model(input_ids, positions, self.kv_caches, meta)
 
     def _capture_meta(self, size: int) -> AttentionMetadata:
         """The metadata a graph is captured with. Its kernels read only slot_mapping (a

@@ -268,6 +268,8 @@ class ModelRunner:
             self.block_size,
             graph_batch_sizes(max_num_seqs),
             max_blocks_per_seq=-(-max_model_len // self.block_size),
+            hidden_size=self.config.hidden_size,
+            dtype=self.dtype,
         )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -316,18 +318,16 @@ class ModelRunner:
         )
         if step.pending_at:
             token_inputs[0].index_copy_(0, pending_at, pending.token_ids[pending_from])
-        if decode is not None:  # the graph computes every row's logits
-            logits = self.graphs.run(token_inputs, decode.seq_lens, decode.block_tables)
-            # Row i samples sequence i unless a prompt forks into n candidates here.
-            in_order = logit_rows == list(range(len(logit_rows)))
-            logits = logits[: len(logit_rows)] if in_order else logits[rows]
+        if decode is not None:
+            hidden = self.graphs.run(token_inputs, decode.seq_lens, decode.block_tables)
         else:
             meta = self._eager_metadata(step, token_inputs[2], query_starts, seq_lens)
             self.attn.plan(meta)
             hidden = self.model(token_inputs[0], token_inputs[1], self.kv_caches, meta)
-            if not logit_rows:  # every chunk is a middle piece of a prefill: nothing to read
-                return self._nothing_sampled()
-            logits = self.model.compute_logits(hidden[rows])
+
+        if not logit_rows:  # every chunk is a middle piece of a prefill: nothing to read out
+            return self._nothing_sampled()
+        logits = self.model.compute_logits(hidden[rows])
         num_samples = len(sample_rows)
         launched = self._sample(logits[:num_samples], sample_rows, _with_tensors(tensors, sampling))
         offset = num_samples
