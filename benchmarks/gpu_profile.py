@@ -9,7 +9,8 @@ wait is GPU-bound; one whose time is mostly host phases is bound by Python. A ti
 then shows each window of 100 steps: its mean step time and what the steps held. --kernels
 instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel; --prefill
 the workload's first steps, until every prompt is prefilled; --run-kernels the whole
-workload: GPU time by kernel and the share of the run the GPU was busy.
+workload: GPU time by kernel, the share of the run the GPU was busy, and its idle
+stretches by what the host was doing meanwhile (an engine phase or Python's collector).
 """
 
 from __future__ import annotations
@@ -161,10 +162,11 @@ def profile_kernels(engine, work, params) -> None:
 
 
 def profile_run_kernels(llm, work, params) -> None:
-    """The whole workload under torch.profiler, GPU activity only: GPU time by kernel and
-    by kind, the union of kernel intervals against the run's wall time, and the idle
-    stretches between kernels by length (launch gaps inside graphs are a few us, waits for
-    the host longer). The profiler slows the host, so the long stretches are an upper
+    """The whole workload under torch.profiler: GPU time by kernel and by kind, the union
+    of kernel intervals against the run's wall time, and the idle stretches between
+    kernels by length (launch gaps inside graphs are a few us, waits for the host longer),
+    the long ones set against the host's phases (annotate_host_phases). The profiler
+    records the host's torch ops too and slows it, so the long stretches are an upper
     bound; kernel times are the GPU's own."""
     undo = annotate_host_phases(llm.engine)
     torch.cuda.synchronize()
