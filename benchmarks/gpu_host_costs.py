@@ -17,7 +17,7 @@ expect. Each case below is timed on the host (perf_counter around the calls only
 - F.linear at an eager prefill step's shape (16,384 rows x 1,024 -> 6,144) and at the LM
   head's (256 rows x 1,024 -> 151,936), with the same row count every call, then a new row
   count every call (as the decode batch shrinks step by step; cuBLAS picks a kernel per new
-  shape).
+  shape), on each of torch's two BLAS back ends (cuBLAS, cuBLASLt; the default first).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from benchmarks.workload import run_info  # noqa: E402
 GRAPH_KERNELS = 320  # about a decode step's graph (313 kernels a step in the offline run)
 GRAPH_SLEEP_CYCLES = 4_000_000  # ~2 ms at the H200's ~1.98 GHz: the graph's long kernel
 CALLS = 40
+# torch's BLAS back ends for CUDA matmuls (torch.backends.cuda.preferred_blas_library); the
+# cuBLASLt path asks cuBLASLt for a kernel on every call.
+BLAS_BACKENDS = ("cublas", "cublaslt")
 
 
 def host_us_per_call(call: Callable[[int], object], calls: int, sync_each: bool = False) -> float:
@@ -98,17 +101,28 @@ def time_graphs() -> list[dict]:
 
 
 def time_linears() -> list[dict]:
+    """Each shape on each of torch's BLAS back ends (the default one first), restored after."""
+    default = torch.backends.cuda.preferred_blas_library().name.lower()  # e.g. 'cublas'
     shapes = {"prefill step (qkv)": (16_384, 1024, 6144), "LM head": (256, 1024, 151_936)}
-    return [row for name, shape in shapes.items() for row in time_linear(name, *shape)]
+    rows = []
+    try:
+        for turn, backend in enumerate(dict.fromkeys([default, *BLAS_BACKENDS])):
+            torch.backends.cuda.preferred_blas_library(backend)
+            for name, shape in shapes.items():
+                # Each turn's new row counts are new to cuBLAS too: the turns' ranges differ.
+                rows += time_linear(f"{name}, {backend}", *shape, first_new=1 + turn * CALLS)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    return rows
 
 
-def time_linear(name: str, m: int, k: int, n: int) -> list[dict]:
+def time_linear(name: str, m: int, k: int, n: int, first_new: int) -> list[dict]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     F.linear(x, weight)  # the first call of a shape pays library set-up
     same = host_us_per_call(lambda i: F.linear(x, weight), CALLS)
-    # Row counts not seen before, one per call: m - 1, m - 2, ...
-    shrinking = host_us_per_call(lambda i: F.linear(x[: m - 1 - i], weight), CALLS)
+    # Row counts not seen before, one per call: m - first_new, m - first_new - 1, ...
+    shrinking = host_us_per_call(lambda i: F.linear(x[: m - first_new - i], weight), CALLS)
     return [
         {
             "case": f"F.linear, {name}: {case}",
