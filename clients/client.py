@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import grpc
 
@@ -82,7 +83,12 @@ def open_channel(
     return grpc_module.secure_channel(target, credentials)
 
 
-class AsyncInferenceClient:
+class _Connection:
+    """What both clients hold: a channel of _grpc (grpc.aio or grpc) to target, its stub,
+    the retry policy and the calls' auth metadata."""
+
+    _grpc: ModuleType  # set by each client
+
     def __init__(
         self,
         target: str,
@@ -94,10 +100,14 @@ class AsyncInferenceClient:
         cert_file: str | None = None,
         key_file: str | None = None,
     ):
-        self._channel = open_channel(grpc.aio, target, tls, ca_file, cert_file, key_file)
+        self._channel = open_channel(self._grpc, target, tls, ca_file, cert_file, key_file)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._retry = retry
         self._metadata = auth_metadata(api_key)
+
+
+class AsyncInferenceClient(_Connection):
+    _grpc = grpc.aio
 
     async def close(self) -> None:
         await self._channel.close()
@@ -151,24 +161,10 @@ class AsyncInferenceClient:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
 
 
-class InferenceClient:
+class InferenceClient(_Connection):
     """The blocking twin of AsyncInferenceClient, for scripts and threads."""
 
-    def __init__(
-        self,
-        target: str,
-        retry: RetryPolicy = RetryPolicy(),
-        api_key: str | None = None,
-        *,
-        tls: bool = False,
-        ca_file: str | None = None,
-        cert_file: str | None = None,
-        key_file: str | None = None,
-    ):
-        self._channel = open_channel(grpc, target, tls, ca_file, cert_file, key_file)
-        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
-        self._retry = retry
-        self._metadata = auth_metadata(api_key)
+    _grpc = grpc
 
     def close(self) -> None:
         self._channel.close()
