@@ -36,16 +36,6 @@ TRACE_EXPORTERS = ("none", "console", "otlp")
 # Explicitly W3C, whatever OTEL_PROPAGATORS or the global propagator say.
 _PROPAGATOR = TraceContextTextMapPropagator()
 
-# RequestTiming holds time.monotonic() readings; spans need Unix-epoch nanoseconds.
-# Monotonic time has no epoch, so add the wall clock's lead over it, measured once: every
-# span then shares one clock, durations stay exact, and a later NTP step of the wall clock
-# cannot reorder a request's child spans (it only shifts where they all sit).
-_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
-
-
-def _epoch_ns(monotonic_s: float) -> int:
-    return round(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
-
 
 @dataclass(frozen=True)
 class RequestSpan:
@@ -53,6 +43,15 @@ class RequestSpan:
 
     span: trace.Span | None = None
     tracer: trace.Tracer | None = None
+    # RequestTiming holds time.monotonic() readings; spans need Unix-epoch nanoseconds.
+    # Both clocks are read once, as the span starts, and every later time is placed by its
+    # monotonic distance from that moment: the children then sit inside their RPC span
+    # exactly, and an NTP step of the wall clock mid-request cannot move one against another.
+    start_epoch_ns: int = 0
+    start_monotonic_ns: int = 0
+
+    def _epoch_ns(self, monotonic_ns: int) -> int:
+        return self.start_epoch_ns + monotonic_ns - self.start_monotonic_ns
 
     def finish(self, code: grpc.StatusCode, final_events: Sequence[CandidateEvent] = ()) -> None:
         """End the span: request attributes and child spans from the final events (if the
@@ -63,7 +62,7 @@ class RequestSpan:
         self.span.set_attribute("rpc.grpc.status_code", code.value[0])
         if code is not grpc.StatusCode.OK:
             self.span.set_status(trace.StatusCode.ERROR, code.name)
-        self.span.end()
+        self.span.end(end_time=self._epoch_ns(time.monotonic_ns()))
 
     def _record(self, final_events: Sequence[CandidateEvent]) -> None:
         if not final_events:
@@ -95,8 +94,9 @@ class RequestSpan:
         for name, start, end in phases:
             if start is None or end is None:  # e.g. cancelled while queued: no prefill
                 continue
-            child = self.tracer.start_span(name, context=parent, start_time=_epoch_ns(start))
-            child.end(end_time=_epoch_ns(end))
+            start_ns = self._epoch_ns(round(start * 1e9))
+            child = self.tracer.start_span(name, context=parent, start_time=start_ns)
+            child.end(end_time=self._epoch_ns(round(end * 1e9)))
 
 
 _DISABLED = RequestSpan()
@@ -129,13 +129,15 @@ class RequestTracer:
             return _DISABLED
         carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
         service, _, method = rpc.partition("/")
+        start_epoch_ns, start_monotonic_ns = time.time_ns(), time.monotonic_ns()
         span = self._tracer.start_span(
             rpc,
             context=_PROPAGATOR.extract(carrier),
             kind=trace.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+            start_time=start_epoch_ns,
         )
-        return RequestSpan(span, self._tracer)
+        return RequestSpan(span, self._tracer, start_epoch_ns, start_monotonic_ns)
 
     def shutdown(self) -> None:
         """Flush queued spans to the exporter and stop it."""

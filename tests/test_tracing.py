@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
+import opentelemetry.sdk.trace
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -114,10 +117,36 @@ async def test_rpc_span_joins_the_callers_trace_with_ordered_phases(tracer, expo
     assert phases[0].end_time == phases[1].start_time
     assert phases[1].end_time == phases[2].start_time
     assert phases[1].end_time > phases[1].start_time and phases[2].end_time > phases[2].start_time
-    # Inside the RPC span, give or take the wall clock slewing since the offset was measured.
-    slack = 5_000_000
+    # Inside the RPC span; the slack is float rounding of RequestTiming's seconds only.
+    slack = 1_000
     assert rpc.start_time - slack <= phases[0].start_time
     assert phases[2].end_time <= rpc.end_time + slack
+
+
+def test_a_wall_clock_step_mid_request_moves_no_span_out_of_its_rpc(
+    tracer, exporter, core, monkeypatch
+):
+    # A wall clock NTP has stepped back a minute since the process started, and steps back
+    # another minute while the request runs; for this module and for the OTel SDK alike.
+    wall_lead_ns = [time.time_ns() - time.monotonic_ns() - 60 * 10**9]
+    wall_clock = lambda: time.monotonic_ns() + wall_lead_ns[0]  # noqa: E731
+    monkeypatch.setattr(time, "time_ns", wall_clock)
+    monkeypatch.setattr(opentelemetry.sdk.trace, "time_ns", wall_clock)
+    span = tracer.start_request(RPC, None)
+    wall_lead_ns[0] -= 60 * 10**9
+    core.add_request("stepped", list(range(100, 110)), SamplingParams(max_tokens=3))
+    finals = []
+    while core.has_unfinished_requests:
+        finals += [e for e in core.step() if e.finished]
+    span.finish(grpc.StatusCode.OK, finals)
+    tracer.shutdown()
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    rpc, queue, decode = spans[RPC], spans["queue"], spans["decode"]
+    assert rpc.start_time <= queue.start_time and decode.end_time <= rpc.end_time
+    timing = finals[0].timing
+    engine_ns = round((timing.finished - timing.arrival) * 1e9)
+    assert abs((decode.end_time - queue.start_time) - engine_ns) <= 1_000
 
 
 async def test_error_code_marks_the_span_and_no_context_starts_a_trace(tracer, exporter, core):
