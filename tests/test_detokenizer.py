@@ -99,6 +99,16 @@ def test_split_character_is_held_until_complete(smollm2: Tokenizer) -> None:
     assert deltas[-2:] == ["🙂", ""]
 
 
+def test_prompt_ending_inside_a_character_streams_only_the_output(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("ab🙂")
+    prompt, output = ids[:-1], ids[-1:] + smollm2.encode(" hi")
+    assert smollm2.decode(prompt).endswith("\ufffd")  # the prompt holds part of the emoji
+    for skip in (True, False):
+        assert_streams_like_full_decode(smollm2, prompt, output, skip)
+    detokenizer = IncrementalDetokenizer(smollm2, prompt, skip_special_tokens=True)
+    assert "".join(stream(detokenizer, output)).endswith(" hi")
+
+
 def test_truly_invalid_tail_flushes_as_replacement_char(smollm2: Tokenizer) -> None:
     first_byte_of_emoji = smollm2.encode("🙂")[0]
     ids = smollm2.encode("ok") + [first_byte_of_emoji]
@@ -113,7 +123,8 @@ def test_window_stays_small(smollm2: Tokenizer) -> None:
     detokenizer = IncrementalDetokenizer(smollm2, smollm2.encode("prompt " * 50), True)
     for token_id in ids:
         detokenizer.add(token_id)
-        assert len(detokenizer._ids) <= 3  # O(1) per token: no re-decode of the whole output
+        # O(1) per token: no re-decode of the whole output
+        assert len(detokenizer._context) + len(detokenizer._held) <= 3
 
 
 # --- SentencePiece-style: byte fallback, and the leading space that depends on context ----------
@@ -135,3 +146,17 @@ def test_sentencepiece_first_token_keeps_its_space_after_a_prompt(sentencepiece)
     assert sentencepiece.decode(output) == "the fox"
     assert streamed == " the fox"
     assert sentencepiece.decode(prompt + output) == "hello" + streamed
+
+
+def test_byte_run_that_turns_invalid_after_a_delta_keeps_streaming(sentencepiece) -> None:
+    # "l" (byte 0x6C) streams out at once; bytes 0x90 0x30 0x80 then make the run invalid
+    # UTF-8, and byte fallback decodes every byte of an invalid run, the "l" too, as U+FFFD.
+    # Text already sent cannot be taken back: the stream goes on with what the decode adds.
+    ids = [sentencepiece.token_to_id(f"<0x{b:02X}>") for b in (0x6C, 0x90, 0x30, 0x80)]
+    ids += sentencepiece.encode("e the fox", add_special_tokens=False)
+    full = sentencepiece.decode(ids, skip_special_tokens=False)
+    assert full.startswith("\ufffd" * 4)
+    detokenizer = IncrementalDetokenizer(sentencepiece, [], skip_special_tokens=False)
+    deltas = stream(detokenizer, ids)
+    assert deltas[:4] == ["l", "", "", ""]
+    assert "".join(deltas) == "l" + full[1:]
