@@ -89,10 +89,11 @@ class Sequence:
     matched_stop: str | int | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # The request's prompt length, kept here: every step reads it for every sequence.
+    num_prompt_tokens: int = field(init=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.request.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

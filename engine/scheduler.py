@@ -29,11 +29,11 @@ from engine.request import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed in this step (== seq.num_computed_tokens)
-    num_tokens: int
+    end: int  # one past the last position computed
 
     @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    def num_tokens(self) -> int:
+        return self.end - self.start
 
     @property
     def samples(self) -> bool:
@@ -91,9 +91,16 @@ class Scheduler:
         scheduled: set[int] = set()
 
         # A sequence whose last token is still in flight may already have all it will get.
-        running = [s for s in self.running if not s.has_all_tokens]
-        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in running if s.num_uncomputed_tokens > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            if seq.has_all_tokens:
+                continue
+            uncomputed = seq.num_uncomputed_tokens
+            if uncomputed == 1:
+                decodes.append(seq)
+            elif uncomputed > 1:
+                prefills.append(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -102,7 +109,9 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._allocate_or_preempt(seq, n, scheduled, out):
                 continue
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(
+                ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            )
             scheduled.add(id(seq))
             budget -= n
 
@@ -125,7 +134,9 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(
+                ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            )
             scheduled.add(id(seq))
             budget -= min(n, budget)
         return out
