@@ -305,7 +305,7 @@ class LLMEngine:
         prompt_lp_chunks = {
             i: c.seq.request.params.prompt_logprobs
             for i, c in enumerate(sched.chunks)
-            if c.seq.request.prompt_logprobs_pending and c.start < c.seq.num_prompt_tokens
+            if c.start < c.seq.num_prompt_tokens and c.seq.request.prompt_logprobs_pending
         }
         pending = None
         if previous is not None:

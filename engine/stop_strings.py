@@ -28,6 +28,8 @@ class StopStringMatcher:
         After a match, the sequence is over: later deltas emit nothing."""
         if self.matched is not None:
             return "", None
+        if not self.stops:  # most requests: nothing to match, nothing to hold back
+            return delta, None
         text = self._held + delta
         match = self._first_match(text, search_from=len(self._held))
         if match is not None:
