@@ -453,7 +453,7 @@ class ModelRunner:
             return self._nothing_sampled()
         out = self.sampler(logits, tensors)
         outputs = [out.token_ids]
-        if any(r.params.logprobs is not None for r in rows):
+        if tensors.needs_logprobs:
             top_ids, top_lps = out.top_token_ids, out.top_logprobs
             if top_ids is None:  # no row asked for alternatives: empty [R, 0] tables
                 top_ids = out.token_ids.new_empty((len(rows), 0))
