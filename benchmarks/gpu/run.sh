@@ -5,7 +5,7 @@
 #
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
-# Steps (arguments, in any order): tests, kernels, host-costs, linear, attention,
+# Steps (arguments, in any order): tests, kernels, host-costs, host-overhead, linear, attention,
 # attention-workload, bench, bench-base (bench on the engine benchmarks/gpu/ab_base.sh
 # staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
@@ -41,6 +41,9 @@ for step in "$@"; do
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     host-costs) python3 benchmarks/gpu_host_costs.py --json-out "$OUT/gpu-host-costs.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;
+    # The engine's own host work per step, on this machine's CPU (no GPU involved).
+    host-overhead) python3 benchmarks/host_overhead.py --repeats 3 --max-out 300 --json-out "$OUT/host-overhead.json" \
+        2>&1 | tee -a "$OUT/log.txt" ;;
     bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     # The engine benchmarks/gpu/ab_base.sh staged in .ab_base, under this tree's benchmark.
     bench-base) (cd .ab_base && BENCH_COMMIT=$(cat COMMIT) PYTHONPATH=/tmp/site:$PWD \
