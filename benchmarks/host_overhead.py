@@ -18,11 +18,9 @@ time, not the host's: the default keeps CPU runs short.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import NANO_VLLM_WORKLOAD, Shape, write_random_model  # noqa: E402
+from benchmarks.gpu_profile import timed  # noqa: E402
 from benchmarks.workload import make_workload, run_info  # noqa: E402
 
 # A Qwen3 of one narrow layer: the model's size changes its compute, not the host's work.
@@ -41,20 +40,6 @@ TINY_QWEN3 = Shape("Qwen3ForCausalLM", "qwen3", 64, 1, 2, 1, 32, 128, 16384, Tru
 # (launches on a GPU), and the attention backend's per-step metadata, which each device's
 # backend builds its own way (flashinfer's plan on a GPU, padded block tables here).
 DEVICE_WORK = ("model forward", "LM head", "sampler", "attention metadata", "attention plan")
-
-
-def time_into(totals: dict[str, float], name: str, fn):
-    """fn, adding its wall time to totals[name] on every call."""
-
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - start
-
-    return timed
 
 
 def instrument(engine) -> dict[str, float]:
@@ -75,7 +60,7 @@ def instrument(engine) -> dict[str, float]:
         (runner.attn, "plan", "attention plan"),
     ]
     for owner, attr, name in wrapped:
-        setattr(owner, attr, time_into(totals, name, getattr(owner, attr)))
+        setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
     return totals
 
 
@@ -85,7 +70,8 @@ def run_once(llm, work, params, totals: dict[str, float], shift: int) -> dict:
     engine = llm.engine
     totals.clear()
     steps_before = engine.num_steps
-    llm.generate([[token + shift for token in prompt] for prompt in work.prompts], params)
+    prompts = [[token + shift for token in prompt] for prompt in work.prompts]
+    llm.generate(prompts, params, use_tqdm=True)
     steps = engine.num_steps - steps_before
     host = totals["step"] - sum(totals[name] for name in DEVICE_WORK)
     per_step_ms = {name: round(seconds / steps * 1e3, 4) for name, seconds in totals.items()}
