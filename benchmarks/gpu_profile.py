@@ -170,6 +170,7 @@ def profile_run_kernels(llm, work, params) -> None:
     bound; kernel times are the GPU's own."""
     undo = annotate_host_phases(llm.engine)
     torch.cuda.synchronize()
+    allocator_before = allocator_counts()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     try:
         with torch.profiler.profile(activities=activities) as prof:
@@ -179,14 +180,25 @@ def profile_run_kernels(llm, work, params) -> None:
             elapsed = time.perf_counter() - start
     finally:
         undo()
-    kernels, phases = [], []
+    after = allocator_counts()
+    print(
+        "allocator calls during the run (a cudaMalloc/cudaFree or pinned alloc stalls the host):",
+        {name: after[name] - allocator_before[name] for name in after},
+    )
+    kernels, phases, host_ops = [], [], []
+    main_thread = None
     for event in prof.events():
         interval = (event.time_range.start, event.time_range.end, event.name)
+        on_host = event.device_type == torch.autograd.DeviceType.CPU
         if event.name.startswith(PHASE_PREFIX):  # on the GPU too: the span of its kernels
-            if event.device_type == torch.autograd.DeviceType.CPU:
+            if on_host:
                 phases.append(interval)
+                main_thread = event.thread
+        elif on_host:
+            host_ops.append((event.thread, interval))
         elif event.device_type == torch.autograd.DeviceType.CUDA:
             kernels.append(interval)
+    host_ops = [interval for thread, interval in host_ops if thread == main_thread]
     kernels.sort()
     busy_us, reach = 0.0, float("-inf")  # union of [start, end) intervals
     # Idle stretches by length: a few us between kernels of a graph is launch latency;
@@ -216,7 +228,7 @@ def profile_run_kernels(llm, work, params) -> None:
     print("idle stretches between kernels, by length:")
     for length, (count, us) in gaps.items():
         print(f"  {length:<10} {count:8d} gaps  {us / 1e6:7.3f} s")
-    print_long_gaps_by_host_phase(kernels, phases)
+    print_long_gaps_by_host_phase(kernels, phases, host_ops)
     print(f"{'count':>8} {'total ms':>10} {'mean us':>8}  kernel")
     for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]:
         print(f"{count:8d} {us / 1e3:10.1f} {us / count:8.1f}  {name[:110]}")
@@ -230,13 +242,25 @@ def annotate_host_phases(engine):
     """Mark the engine's host phases, and Python's collector, as profiler ranges (named
     PHASE_PREFIX + phase) so that idle stretches of the GPU can be set against them.
     Returns a function that undoes it."""
+    import engine.runner as runner_module
+
     runner = engine.runner
     wrapped = {
         (engine.scheduler, "schedule"): "schedule",
         (runner, "execute"): "execute",
+        # execute's parts (the innermost phase names an idle stretch)
+        (runner, "_flatten"): "execute: step inputs",
+        (runner, "_sampling_tensors"): "execute: sampling tensors",
+        (runner_module, "upload"): "execute: upload",
+        (runner.attn, "plan"): "execute: attention plan",
+        (runner.attn, "plan_graph"): "execute: graph attention plan",
+        (runner.model, "compute_logits"): "execute: LM head",
+        (runner, "_sample"): "execute: sample",
         (runner, "collect"): "collect (wait for the GPU)",
         (engine, "_collect"): "collect + token processing",
     }
+    if runner.graphs is not None:
+        wrapped[(runner.graphs, "run")] = "execute: graph replay"
     originals = {target: getattr(*target) for target in wrapped}
     for (owner, attr), phase in wrapped.items():
         fn = originals[(owner, attr)]
@@ -296,37 +320,90 @@ def _in_range(name: str, fn):
     return wrapper
 
 
+def allocator_counts() -> dict[str, int]:
+    """torch's device and pinned-host allocator counters that mean a call into the driver."""
+    device = torch.cuda.memory_stats()
+    counts = {
+        name: device.get(name, 0)
+        for name in (
+            "num_alloc_retries",
+            "num_device_alloc",
+            "num_device_free",
+            "num_sync_all_streams",
+        )
+    }
+    host = torch.cuda.host_memory_stats()
+    counts.update({name: host.get(name, 0) for name in ("num_host_alloc", "num_host_free")})
+    return counts
+
+
+def innermost_segments(ranges: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """One thread's nested ranges as a timeline of [start, end) segments, each named by the
+    innermost range holding it (a range that outlasts its parent is cut at the parent's end)."""
+    ranges = sorted(ranges, key=lambda r: (r[0], -r[1]))
+    segments: list[tuple[float, float, str]] = []
+    stack: list[tuple[float, str]] = []  # (end, name), innermost last
+    t = float("-inf")
+
+    def close_until(moment: float) -> None:
+        nonlocal t
+        while stack and stack[-1][0] <= moment:
+            end, name = stack.pop()
+            if end > t:
+                segments.append((t, end, name))
+                t = end
+
+    for begin, end, name in ranges:
+        close_until(begin)
+        if stack:
+            if begin > t:
+                segments.append((t, begin, stack[-1][1]))
+            end = min(end, stack[-1][0])
+        t = max(t, begin)
+        stack.append((end, name))
+    close_until(float("inf"))
+    return segments
+
+
 def print_long_gaps_by_host_phase(
-    kernels: list[tuple[float, float, str]], phases: list[tuple[float, float, str]]
+    kernels: list[tuple[float, float, str]],
+    phases: list[tuple[float, float, str]],
+    host_ops: list[tuple[float, float, str]],
 ) -> None:
-    """The GPU's idle stretches of >= LONG_GAP_US, by what the host was doing meanwhile (the
-    innermost annotated phase, sampled every 5 us) and by where in the run they fell (the
-    engine step they ended in)."""
-    phases.sort()
-    steps = [begin for begin, _, name in phases if name == PHASE_PREFIX + "schedule"]
-    by_phase: dict[str, float] = defaultdict(float)
+    """The GPU's idle stretches of >= LONG_GAP_US, by what the host was doing meanwhile: the
+    innermost annotated phase, then the innermost torch op or CUDA runtime call (within the
+    phases); and by where in the run they fell (the engine step they ended in)."""
+    steps = sorted(begin for begin, _, name in phases if name == PHASE_PREFIX + "schedule")
     by_window: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])
-    reach, first = float("-inf"), 0
+    gaps, reach = [], float("-inf")
     for begin, end, _ in kernels:
         if reach > float("-inf") and begin - reach >= LONG_GAP_US:
+            gaps.append((reach, begin))
             window = (bisect.bisect_right(steps, begin) - 1) // 50 * 50
             by_window[window][0] += 1
             by_window[window][1] += begin - reach
-            while first < len(phases) and phases[first][1] < reach - 1e6:
-                first += 1  # no phase lasts a second: the ones ending before can go
-            live = [p for p in phases[first:] if p[0] < begin and p[1] > reach]
-            t = reach
-            while t < begin:
-                inside = [p for p in live if p[0] <= t < p[1]]
-                # innermost: the latest-starting range holding t
-                phase = max(inside)[2][len(PHASE_PREFIX) :] if inside else "(outside the steps)"
-                by_phase[phase] += min(5.0, begin - t)
-                t += 5.0
         reach = max(reach, end)
-    total = sum(by_phase.values())
-    print(f"idle stretches >= {LONG_GAP_US:.0f} us, {total / 1e6:.3f} s, by the host's phase:")
-    for phase, us in sorted(by_phase.items(), key=lambda kv: -kv[1]):
-        print(f"  {phase:<34} {us / 1e3:8.1f} ms")
+    views = {
+        "phase": innermost_segments(phases),
+        "op or CUDA call, within the phases": innermost_segments(phases + host_ops),
+    }
+    for view, segments in views.items():
+        starts = [segment[0] for segment in segments]
+        by_name: dict[str, float] = defaultdict(float)
+        for gap_start, gap_end in gaps:
+            covered = 0.0
+            i = max(0, bisect.bisect_right(starts, gap_start) - 1)
+            while i < len(segments) and segments[i][0] < gap_end:
+                overlap = min(gap_end, segments[i][1]) - max(gap_start, segments[i][0])
+                if overlap > 0:
+                    by_name[segments[i][2].removeprefix(PHASE_PREFIX)] += overlap
+                    covered += overlap
+                i += 1
+            by_name["(outside the steps)"] += gap_end - gap_start - covered
+        total = sum(by_name.values())
+        print(f"idle stretches >= {LONG_GAP_US:.0f} us, {total / 1e6:.3f} s, by the host's {view}:")
+        for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"  {name[:60]:<60} {us / 1e3:8.1f} ms")
     print("  ... by engine step (window of 50):")
     for window, (count, us) in sorted(by_window.items()):
         print(f"  {window:5d}+  {count:5d} stretches  {us / 1e3:8.1f} ms")

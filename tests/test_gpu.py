@@ -311,6 +311,38 @@ def test_tensor_core_decode_matches_cuda_core(model_dir, monkeypatch):
     assert_greedy_close(got, cuda_cores.generate(prompts, params))
 
 
+@pytest.mark.parametrize("batch_size", [8, 96], ids=["cuda-cores", "tensor-cores"])
+def test_graph_decode_replans_as_the_wrapper_plans(batch_size):
+    # After its capture a graph's decode wrapper is replanned without the wrapper's own
+    # plan(): the outputs must be those of a wrapper planned in full on the same tables.
+    heads, kv_heads, head_dim, num_blocks = 16, 8, 128, 2048
+    gen = torch.Generator().manual_seed(batch_size)
+    kv_cache = torch.randn(
+        (num_blocks, 2, BLOCK_SIZE, kv_heads, head_dim), generator=gen, dtype=torch.bfloat16
+    ).cuda()
+    q = torch.randn((batch_size, heads, head_dim), generator=gen, dtype=torch.bfloat16).cuda()
+    outputs = []
+    for replanned in (False, True):
+        attn = FlashInferAttention(torch.device("cuda"))
+        attn.configure(heads, kv_heads, head_dim, torch.bfloat16)
+        max_pages = num_blocks // batch_size
+        attn.add_graph_batch_size(
+            batch_size,
+            torch.zeros(batch_size + 1, dtype=torch.int32, device="cuda"),
+            torch.zeros(batch_size * max_pages, dtype=torch.int32, device="cuda"),
+            torch.zeros(batch_size, dtype=torch.int32, device="cuda"),
+        )
+        if replanned:  # a first plan of other tables, as the capture makes
+            attn.plan_graph([1] * batch_size, [[0]] * batch_size, BLOCK_SIZE)
+        rng = random.Random(batch_size)
+        lens = [rng.randint(1, max_pages * BLOCK_SIZE) for _ in range(batch_size)]
+        blocks = iter(rng.sample(range(num_blocks), num_blocks))
+        tables = [[next(blocks) for _ in range(-(-n // BLOCK_SIZE))] for n in lens]
+        attn.plan_graph(lens, tables, BLOCK_SIZE)
+        outputs.append(attn.forward(q, kv_cache, None, attn.scale))
+    assert torch.equal(outputs[1], outputs[0])
+
+
 def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
     # Lengths end every request by max_tokens, so both engines run the same batches step
     # for step and even sampled tokens must agree exactly.

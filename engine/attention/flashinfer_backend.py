@@ -149,6 +149,9 @@ class FlashInferAttention:
         }
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._graph_decode: dict[int, Any] = {}
+        # batch size -> the static (indptr, indices, last_page_len) its graph reads
+        self._graph_tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._graph_planned: set[int] = set()  # batch sizes whose wrapper has run plan() once
         # What forward() runs this step: rows [0, num_decode_rows) through self._decode,
         # the rest through self._prefill.
         self._decode: Any = None
@@ -206,6 +209,7 @@ class FlashInferAttention:
         live in the given buffers, which the captured kernels read."""
         import flashinfer
 
+        self._graph_tables[batch_size] = (kv_indptr, kv_indices, kv_last_page_len)
         self._graph_decode[batch_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace,
             "NHD",
@@ -221,17 +225,47 @@ class FlashInferAttention:
     ) -> None:
         """Plan a pure-decode step of a captured batch size (padding rows included): copies
         its page tables into the graph's buffers, for a capture or a replay to read."""
-        wrapper = self._graph_decode[len(seq_lens)]
+        import flashinfer
+
+        batch_size = len(seq_lens)
+        wrapper = self._graph_decode[batch_size]
         self._plan_copied.synchronize()
         table = page_table(seq_lens, block_tables, block_size)
-        self._plan_decode(
-            wrapper,
-            table.indptr,
-            _to_gpu(table.indices, self.device),
-            table.last_page_len,
-            block_size,
-        )
-        self._decode, self._num_decode_rows = wrapper, len(seq_lens)
+        if batch_size not in self._graph_planned:  # the capture: the wrapper's full plan
+            self._graph_planned.add(batch_size)
+            self._plan_decode(
+                wrapper,
+                table.indptr,
+                _to_gpu(table.indices, self.device),
+                table.last_page_len,
+                block_size,
+            )
+        else:
+            # A replay: the page tables go straight into the graph's buffers, and only the
+            # work split is planned again. The wrapper's own plan() also runs Python's max()
+            # over a host tensor, element by element (~1 ms at 256 sequences, with the GPU
+            # waiting on the host whenever a step's kernels are shorter: RESULTS.md).
+            indptr, last_page_len = _pinned(table.indptr), _pinned(table.last_page_len)
+            indices = _pinned(table.indices)
+            kv_indptr, kv_indices, kv_last_page_len = self._graph_tables[batch_size]
+            kv_indptr.copy_(indptr, non_blocking=True)
+            kv_indices[: len(indices)].copy_(indices, non_blocking=True)
+            kv_last_page_len.copy_(last_page_len, non_blocking=True)
+            flashinfer.fast_decode_plan(
+                wrapper,
+                indptr,
+                indices,
+                last_page_len,
+                self.num_qo_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                block_size,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                non_blocking=True,
+            )
+        self._decode, self._num_decode_rows = wrapper, batch_size
         self._plan_copied.record()
 
     def _tensor_cores(self, batch_size: int) -> bool:
