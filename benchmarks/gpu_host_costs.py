@@ -135,13 +135,55 @@ def time_linear(name: str, m: int, k: int, n: int, first_new: int) -> list[dict]
     ]
 
 
+def time_decode_plans() -> list[dict]:
+    """The host cost of planning a CUDA-graph decode step of the workload's 256 sequences
+    (their contexts after 50 decode steps), on the engine's backend: the wrapper's own
+    plan(), which a graph's capture runs, against the replan every later replay runs."""
+    from benchmarks.gpu_bench import NANO_VLLM_WORKLOAD
+    from benchmarks.workload import make_workload
+    from engine.attention.flashinfer_backend import FlashInferAttention
+
+    lens = [len(prompt) + 50 for prompt in make_workload(NANO_VLLM_WORKLOAD).prompts]
+    batch, block_size = len(lens), 16
+    pages = [-(-n // block_size) for n in lens]
+    starts = [sum(pages[:i]) for i in range(batch)]
+    tables = [list(range(start, start + n)) for start, n in zip(starts, pages, strict=True)]
+    attn = FlashInferAttention(torch.device("cuda"))
+    attn.configure(16, 8, 128, torch.bfloat16)  # the Qwen3-0.6B shape's heads
+    attn.add_graph_batch_size(
+        batch,
+        torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+        torch.zeros(sum(pages), dtype=torch.int32, device="cuda"),
+        torch.zeros(batch, dtype=torch.int32, device="cuda"),
+    )
+
+    def full_plan(i: int) -> None:
+        attn._graph_planned.clear()  # as if not captured yet: the wrapper's plan()
+        attn.plan_graph(lens, tables, block_size)
+
+    cases = {
+        "graph decode plan, 256 seqs: the wrapper's plan()": full_plan,
+        "graph decode plan, 256 seqs: replan after the capture": (
+            lambda i: attn.plan_graph(lens, tables, block_size)
+        ),
+    }
+    return [
+        {
+            "case": name,
+            "pages": sum(pages),
+            "host_us_per_call": round(host_us_per_call(call, CALLS), 1),
+        }
+        for name, call in cases.items()
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_host_costs.py needs a CUDA GPU")
-    rows = time_graphs() + time_linears()
+    rows = time_graphs() + time_linears() + time_decode_plans()
     for row in rows:
         print(f"{row['host_us_per_call']:9.1f} us  {row['case']}")
     if args.json_out:

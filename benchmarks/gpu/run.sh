@@ -10,7 +10,7 @@
 # staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill,
-# profile-run. flashinfer's JIT cache lives in .ficache/ (git-ignored); it travels
+# profile-run. flashinfer's JIT cache (and Triton's) lives in .ficache/ (git-ignored); it travels
 # as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
 # ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
 # next call.
@@ -21,7 +21,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
-export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache MAX_JOBS=16
+# Triton's kernel cache travels with flashinfer's, or each fresh machine compiles the
+# engine's Triton kernels again in its first engine start.
+export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache TRITON_CACHE_DIR=$PWD/.ficache/triton MAX_JOBS=16
 mkdir -p .ficache
 [ -f .ficache.tgz ] && tar xzf .ficache.tgz -C .ficache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
