@@ -167,14 +167,12 @@ def time_decode_plans() -> list[dict]:
             lambda i: attn.plan_graph(lens, tables, block_size)
         ),
     }
-    return [
-        {
-            "case": name,
-            "pages": sum(pages),
-            "host_us_per_call": round(host_us_per_call(call, CALLS), 1),
-        }
-        for name, call in cases.items()
-    ]
+    rows = []
+    for name, call in cases.items():
+        call(0)  # the first plan of a kind loads flashinfer's module for it
+        us = host_us_per_call(call, CALLS)
+        rows.append({"case": name, "pages": sum(pages), "host_us_per_call": round(us, 1)})
+    return rows
 
 
 def main() -> None:
