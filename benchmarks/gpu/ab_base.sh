@@ -2,7 +2,7 @@
 # Stage another commit's engine for an A/B in one device call: .ab_base/ (git-ignored) gets
 # that commit's engine/ and proto/ beside this tree's benchmarks/, so run.sh's bench-base
 # step times the same benchmark on the other engine, on the same machine as bench. A patch
-# (an experiment kept in benchmarks/gpu/patches/, not on main) is applied to that engine.
+# (the diff of an experiment not on main) is applied to that engine.
 #
 #   bash benchmarks/gpu/ab_base.sh <commit> [patch]
 #   run(command="BENCH_COMMIT=<this commit> bash benchmarks/gpu/run.sh bench bench-base",
