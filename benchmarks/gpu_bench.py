@@ -195,6 +195,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         dtype="bfloat16",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )
@@ -292,6 +293,7 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--async-scheduling",

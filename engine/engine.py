@@ -171,11 +171,17 @@ class LLMEngine:
         if n_prompt == 0:
             raise ValidationError("prompt", "must not be empty")
         vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValidationError(
-                    "prompt_token_ids", f"token {i} is {t!r}, expected an integer in [0, {vocab})"
-                )
+        # One pass in C over the ids (type(True) is bool, not int); only a prompt that fails
+        # it is walked in Python, to name the first bad id.
+        if set(map(type, prompt_token_ids)) != {int} or not (
+            0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab
+        ):
+            for i, t in enumerate(prompt_token_ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValidationError(
+                        "prompt_token_ids",
+                        f"token {i} is {t!r}, expected an integer in [0, {vocab})",
+                    )
         limit = self.max_model_len
         if n_prompt >= limit:
             raise ValidationError(

@@ -269,6 +269,8 @@ def test_engine_fault_fails_only_that_step(llm, monkeypatch):
         (dict(prompt_token_ids=[]), "prompt"),
         (dict(prompt_token_ids=[1, -3]), "prompt_token_ids"),
         (dict(prompt_token_ids=[10**9]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[1, True]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[1, 2.0]), "prompt_token_ids"),
         (dict(prompt_token_ids=[1] * 2000), "prompt"),
         (dict(prompt_token_ids=[1, 2], max_tokens=5000), "max_tokens"),
         (dict(prompt_token_ids=[1, 2], temperature=-1.0), "temperature"),
@@ -281,6 +283,14 @@ def test_invalid_requests_fail_alone(llm, kwargs, field):
         llm.generate([ids], SamplingParams(**kwargs))
     assert err.value.field == field
     assert_pool_empty(llm)
+
+
+def test_a_bad_token_id_is_named_by_its_index(llm):
+    with pytest.raises(ValidationError, match=r"token 2 is True, expected an integer in \[0, "):
+        llm.engine.add_request("bad", [5, 7, True, -1], SamplingParams(max_tokens=4))
+    with pytest.raises(ValidationError, match="token 3 is -1"):
+        llm.engine.add_request("bad", [5, 7, 1, -1], SamplingParams(max_tokens=4))
+    assert "bad" not in llm.engine.requests
 
 
 def test_request_larger_than_pool_is_rejected_with_pool_named(tiny_llama, async_scheduling):

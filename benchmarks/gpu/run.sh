@@ -15,6 +15,7 @@
 # ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
 # next call.
 set -uo pipefail
+BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 64"
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -46,10 +47,11 @@ for step in "$@"; do
     # The engine's own host work per step, on this machine's CPU (no GPU involved).
     host-overhead) python3 benchmarks/host_overhead.py --repeats 3 --max-out 300 --json-out "$OUT/host-overhead.json" \
         2>&1 | tee -a "$OUT/log.txt" ;;
-    bench) python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench) python3 benchmarks/gpu_bench.py $BENCH_ARGS --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 \
+        | tee -a "$OUT/log.txt" ;;
     # The engine benchmarks/gpu/ab_base.sh staged in .ab_base, under this tree's benchmark.
     bench-base) (cd .ab_base && BENCH_COMMIT=$(cat COMMIT) PYTHONPATH=/tmp/site:$PWD \
-        python3 benchmarks/gpu_bench.py --json-out "$OUT/gpu-qwen3-0.6b-base.json") 2>&1 \
+        python3 benchmarks/gpu_bench.py $BENCH_ARGS --json-out "$OUT/gpu-qwen3-0.6b-base.json") 2>&1 \
         | tee -a "$OUT/log.txt" ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
         --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
