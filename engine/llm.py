@@ -81,12 +81,11 @@ class LLM:
             for rid, tokens, params in zip(request_ids, token_lists, params_list)
         }
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
-        done = 0
         while self.engine.has_unfinished_requests:
             for event in self.engine.step():
-                builders[event.request_id].add(event)
-            finished = sum(rid not in self.engine.requests for rid in request_ids)
-            bar.update(finished - done)
-            done = finished
+                builder = builders[event.request_id]
+                builder.add(event)
+                if event.finished and builder.finished:
+                    bar.update()
         bar.close()
         return [builders[rid].build() for rid in request_ids]

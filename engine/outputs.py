@@ -153,6 +153,10 @@ class RequestOutputBuilder:
                 self.completion_tokens += ev.usage.completion_tokens
                 self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
 
+    @property
+    def finished(self) -> bool:
+        return all(out.finish_reason is not None for out in self.outputs)
+
     def build(self) -> RequestOutput:
         for out, pieces in zip(self.outputs, self.texts, strict=True):
             out.text = "".join(pieces)

@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import ValidationError
 from engine.llm import LLM
-from engine.outputs import FinishReason
+from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_model
 
@@ -402,3 +402,22 @@ def test_async_scheduling_changes_no_output(tiny_llama, monkeypatch):
             assert b.logprobs == a.logprobs
         assert have.usage == want.usage
     assert_pool_empty(overlapped)
+
+
+def test_a_request_is_finished_once_every_candidate_is():
+    builder = RequestOutputBuilder.start("r", [1, 2], n=2)
+    builder.add(CandidateEvent("r", 0, "a", [5]))
+    builder.add(CandidateEvent("r", 1, "b", [6], finish_reason=FinishReason.LENGTH))
+    assert not builder.finished
+    builder.add(CandidateEvent("r", 0, "c", [7], finish_reason=FinishReason.STOP))
+    assert builder.finished
+    built = builder.build()
+    assert [o.text for o in built.outputs] == ["ac", "b"]
+    assert [o.token_ids for o in built.outputs] == [[5, 7], [6]]
+
+
+def test_the_progress_bar_counts_each_request_once(llm, capsys):
+    params = [SamplingParams(max_tokens=3, n=2, **GREEDY), SamplingParams(max_tokens=5, **GREEDY)]
+    llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=True)
+    bar = capsys.readouterr().err
+    assert "2/2" in bar and "3/2" not in bar  # the two-candidate request counts once
