@@ -21,6 +21,7 @@ planning math is tested) on machines without it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,9 +175,9 @@ class FlashInferAttention:
         if pages.num_decodes:
             self._plan_decode(
                 self._decode,
-                pages.decode_indptr,
+                _pinned(pages.decode_indptr),
                 indices_gpu,
-                pages.decode_last_page_len,
+                _pinned(pages.decode_last_page_len),
                 meta.block_size,
             )
         if pages.num_prefills:
@@ -225,46 +226,26 @@ class FlashInferAttention:
     ) -> None:
         """Plan a pure-decode step of a captured batch size (padding rows included): copies
         its page tables into the graph's buffers, for a capture or a replay to read."""
-        import flashinfer
-
         batch_size = len(seq_lens)
         wrapper = self._graph_decode[batch_size]
         self._plan_copied.synchronize()
         table = page_table(seq_lens, block_tables, block_size)
+        indptr, last_page_len = _pinned(table.indptr), _pinned(table.last_page_len)
         if batch_size not in self._graph_planned:  # the capture: the wrapper's full plan
             self._graph_planned.add(batch_size)
-            self._plan_decode(
-                wrapper,
-                table.indptr,
-                _to_gpu(table.indices, self.device),
-                table.last_page_len,
-                block_size,
-            )
+            indices = _to_gpu(table.indices, self.device)
+            self._plan_decode(wrapper, indptr, indices, last_page_len, block_size)
         else:
             # A replay: the page tables go straight into the graph's buffers, and only the
             # work split is planned again. The wrapper's own plan() also runs Python's max()
             # over a host tensor, element by element (~1 ms at 256 sequences, with the GPU
             # waiting on the host whenever a step's kernels are shorter: RESULTS.md).
-            indptr, last_page_len = _pinned(table.indptr), _pinned(table.last_page_len)
             indices = _pinned(table.indices)
             kv_indptr, kv_indices, kv_last_page_len = self._graph_tables[batch_size]
             kv_indptr.copy_(indptr, non_blocking=True)
             kv_indices[: len(indices)].copy_(indices, non_blocking=True)
             kv_last_page_len.copy_(last_page_len, non_blocking=True)
-            flashinfer.fast_decode_plan(
-                wrapper,
-                indptr,
-                indices,
-                last_page_len,
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                block_size,
-                sm_scale=self.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                non_blocking=True,
-            )
+            self._plan_decode(wrapper, indptr, indices, last_page_len, block_size, replan=True)
         self._decode, self._num_decode_rows = wrapper, batch_size
         self._plan_copied.record()
 
@@ -274,19 +255,29 @@ class FlashInferAttention:
     def _plan_decode(
         self,
         wrapper: Any,
-        indptr: np.ndarray,
-        indices_gpu: torch.Tensor,
-        last_page_len: np.ndarray,
+        indptr: torch.Tensor,  # pinned host memory, as is last_page_len
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
         block_size: int,
+        replan: bool = False,
     ) -> None:
-        # indptr and last_page_len stay on the host: plan() reads them there, and copies
-        # them to the device itself (asynchronously, as they are pinned). The indices must
-        # already be on the device, or a CUDA-graph wrapper copies them synchronously.
-        assert indices_gpu.device.type == "cuda", indices_gpu.device
-        wrapper.plan(
-            _pinned(indptr),
-            indices_gpu,
-            _pinned(last_page_len),
+        """Plan a decode wrapper: its own plan(), or with replan (a CUDA-graph wrapper whose
+        buffers the caller has filled) flashinfer's fast_decode_plan, which only plans the
+        work split."""
+        import flashinfer
+
+        if replan:
+            plan = functools.partial(flashinfer.fast_decode_plan, wrapper)
+        else:
+            # plan() reads indptr and last_page_len on the host and copies them to the
+            # device itself (asynchronously, as they are pinned). The indices must already
+            # be on the device, or a CUDA-graph wrapper copies them synchronously.
+            assert indices.device.type == "cuda", indices.device
+            plan = wrapper.plan
+        plan(
+            indptr,
+            indices,
+            last_page_len,
             self.num_qo_heads,
             self.num_kv_heads,
             self.head_dim,
