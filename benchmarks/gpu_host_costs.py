@@ -18,11 +18,14 @@ expect. Each case below is timed on the host (perf_counter around the calls only
   head's (256 rows x 1,024 -> 151,936), with the same row count every call, then a new row
   count every call (as the decode batch shrinks step by step; cuBLAS picks a kernel per new
   shape), on each of torch's two BLAS back ends (cuBLAS, cuBLASLt; the default first).
+- planning a CUDA-graph decode step of 256 sequences on the engine's flashinfer backend:
+  the wrapper's own plan() (a graph's capture) against the replan of every later replay.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -146,8 +149,8 @@ def time_decode_plans() -> list[dict]:
     lens = [len(prompt) + 50 for prompt in make_workload(NANO_VLLM_WORKLOAD).prompts]
     batch, block_size = len(lens), 16
     pages = [-(-n // block_size) for n in lens]
-    starts = [sum(pages[:i]) for i in range(batch)]
-    tables = [list(range(start, start + n)) for start, n in zip(starts, pages, strict=True)]
+    starts = list(itertools.accumulate(pages, initial=0))
+    tables = [list(range(start, start + n)) for start, n in zip(starts[:-1], pages, strict=True)]
     attn = FlashInferAttention(torch.device("cuda"))
     attn.configure(16, 8, 128, torch.bfloat16)  # the Qwen3-0.6B shape's heads
     attn.add_graph_batch_size(
