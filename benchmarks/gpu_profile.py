@@ -8,7 +8,7 @@ token post-processing (detokenize, stops, events). A step whose runner time is m
 wait is GPU-bound; one whose time is mostly host phases is bound by Python. A timeline
 then shows each window of 100 steps: its mean step time and what the steps held. --kernels
 instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel; --prefill
-the workload's first steps, until every prompt is prefilled; --run-kernels the whole
+the workload's first steps, until every prompt is prefilled (with --cprofile, the host under cProfile); --run-kernels the whole
 workload: GPU time by kernel, the share of the run the GPU was busy, and its idle
 stretches by what the host was doing meanwhile (an engine phase or Python's collector).
 """
@@ -85,7 +85,7 @@ def main() -> None:
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
     if args.prefill:
-        profile_prefill(engine, work, params)
+        profile_prefill(engine, work, params, with_cprofile=args.cprofile)
         return
     if args.run_kernels:
         profile_run_kernels(llm, work, params)
@@ -422,9 +422,9 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def profile_prefill(engine, work, params) -> None:
+def profile_prefill(engine, work, params, with_cprofile: bool) -> None:
     """The workload's steps from the first until every prompt has been prefilled, twice:
-    first with each step's host phases timed and the host under cProfile, then (after
+    first with each step's host phases timed (and the host under cProfile if asked), then (after
     aborting that batch, on prompts shifted by one token id so nothing is a prefix-cache
     hit) under torch.profiler: GPU time by kernel."""
 
@@ -441,14 +441,15 @@ def profile_prefill(engine, work, params) -> None:
             engine.add_request(ids[-1], [t + shift for t in prompt], sp)
         return ids
 
-    # Pass 1: host phases and cProfile.
+    # Pass 1: host phases (and cProfile).
     unwrapped = engine.scheduler.schedule, engine.runner.execute, engine.runner.collect
     steps = record_steps(engine)
     ids = add_all(0)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     start = time.perf_counter()
-    profiler.enable()
+    if with_cprofile:
+        profiler.enable()
     while prefilling():
         engine.step()
     engine.step()
@@ -456,7 +457,8 @@ def profile_prefill(engine, work, params) -> None:
     profiler.disable()
     elapsed = time.perf_counter() - start
     engine.scheduler.schedule, engine.runner.execute, engine.runner.collect = unwrapped
-    print(f"prefill: {len(steps)} steps in {elapsed:.3f} s (host under cProfile)")
+    under = " (host under cProfile)" if with_cprofile else ""
+    print(f"prefill: {len(steps)} steps in {elapsed:.3f} s{under}")
     print("step  decode rows  prefill tokens  wall ms  execute ms  collect ms  gpu ms")
     for i, (step, following) in enumerate(zip(steps, steps[1:], strict=False)):
         print(
@@ -465,9 +467,10 @@ def profile_prefill(engine, work, params) -> None:
             f" {step.execute_s * 1e3:11.2f} {step.collect_s * 1e3:11.2f}"
             f" {step.gpu_start.elapsed_time(following.gpu_start):7.2f}"
         )
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-    print(out.getvalue())
+    if with_cprofile:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+        print(out.getvalue())
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests:
