@@ -293,7 +293,7 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--block-size", type=int, help="tokens per KV page (default: the engine's)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--async-scheduling",

@@ -469,7 +469,9 @@ def profile_prefill(engine, work, params, with_cprofile: bool) -> None:
         )
     if with_cprofile:
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(45)
         print(out.getvalue())
     for request_id in ids:
         engine.abort_request(request_id)

@@ -81,10 +81,10 @@ class LLMEngine:
             attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
 
-        cache, sched = config.cache, config.scheduler
+        cache, sched, block_size = config.cache, config.scheduler, config.block_size
         use_graphs = on_gpu and not config.enforce_eager
-        self.runner = ModelRunner(model, mc, cache.block_size, device, dtype, attn)
-        block_bytes = kv_bytes_per_block(mc, cache.block_size, dtype)
+        self.runner = ModelRunner(model, mc, block_size, device, dtype, attn)
+        block_bytes = kv_bytes_per_block(mc, block_size, dtype)
         if cache.num_blocks:
             num_blocks = cache.num_blocks
         elif on_gpu:
@@ -97,12 +97,12 @@ class LLMEngine:
         else:
             num_blocks = max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))
         self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
 
         # A sequence must fit the pool on its own; that is what makes preemption deadlock-free.
         model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.pool_tokens = num_blocks * cache.block_size
+        self.pool_tokens = num_blocks * block_size
         self.max_model_len = min(
             model_len, self.model_config.max_position_embeddings, self.pool_tokens
         )
@@ -115,7 +115,7 @@ class LLMEngine:
             device,
             dtype,
             num_blocks,
-            cache.block_size,
+            block_size,
             num_blocks * block_bytes / 2**30,
             self.pool_tokens,
             self.max_model_len,
@@ -245,7 +245,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            kv_block_size=self.config.cache.block_size,
+            kv_block_size=self.block_manager.block_size,
             kv_num_blocks=self.block_manager.num_blocks,
             kv_capacity_tokens=self.pool_tokens,
         )

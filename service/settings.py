@@ -141,7 +141,11 @@ SETTINGS: tuple[Setting, ...] = (
         "async_scheduling",
         "queue the next step before reading this one's tokens back; unset: on for CUDA only",
     ),
-    _setting("engine", "block_size", "tokens per KV block (a power of two up to 128)"),
+    _setting(
+        "engine",
+        "block_size",
+        "tokens per KV block (a power of two up to 128); unset: 64 on CUDA, 16 on the CPU",
+    ),
     _setting("engine", "num_blocks", "KV blocks; unset: sized from memory"),
     _setting("engine", "kv_cache_memory_gib", "KV pool size on the CPU when num_blocks is unset"),
     _setting(

@@ -171,3 +171,12 @@ def test_gpu_settings_validate():
         with pytest.raises(ValidationError, match="gpu_memory_utilization"):
             CacheConfig(gpu_memory_utilization=bad)
     assert EngineConfig().enforce_eager is False
+
+
+def test_block_size_defaults_by_device():
+    assert CacheConfig().block_size is None
+    assert EngineConfig(device="cpu").block_size == 16
+    assert EngineConfig(device="cuda").block_size == 64
+    assert EngineConfig(device="cuda", cache=CacheConfig(block_size=16)).block_size == 16
+    with pytest.raises(ValidationError, match="block_size"):
+        CacheConfig(block_size=48)

@@ -136,7 +136,7 @@ def test_auto_device_is_cuda_and_the_pool_fills_the_memory_share(model_dir):
     assert engine.runner.kv_caches[0].dtype == torch.bfloat16
     total = torch.cuda.mem_get_info()[1]
     pool_bytes = engine.block_manager.num_blocks * kv_bytes_per_block(
-        engine.model_config, engine.config.cache.block_size, torch.bfloat16
+        engine.model_config, engine.config.block_size, torch.bfloat16
     )
     # What is left besides the pool: weights, a step's peak, CUDA context, graphs (~1 GiB).
     assert utilization * total - 3 * 2**30 < pool_bytes < utilization * total
@@ -262,17 +262,18 @@ def test_fp16_engine_generates_what_the_float32_cpu_engine_does(model_dir):
     assert_greedy_close(llm.generate(prompts, params), want)
 
 
-def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch):
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 64])  # 64: the default on CUDA
+def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch, block_size):
     # 13 prompts of mixed lengths whose outputs end at different steps: the decode batch
     # shrinks 13 -> 1 through buckets 16, 8, 4, 2, 1, padded on most steps.
     prompts = random_prompts(13, seed=4, lo=5, hi=70)
     params = [greedy(6 + 3 * i) for i in range(13)]
-    eager = gpu_llm(model_dir, max_num_seqs=16, enforce_eager=True)
+    eager = gpu_llm(model_dir, max_num_seqs=16, enforce_eager=True, block_size=block_size)
     assert eager.engine.runner.graphs is None
     want = eager.generate(prompts, params)
     del eager
 
-    llm = gpu_llm(model_dir, max_num_seqs=16)
+    llm = gpu_llm(model_dir, max_num_seqs=16, block_size=block_size)
     graphs = llm.engine.runner.graphs
     assert graphs.batch_sizes == [1, 2, 4, 8, 16]
     replayed: list[int] = []  # the decode batch sizes, before padding to a bucket
@@ -374,10 +375,12 @@ def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("chunked_prefill", [False, True])
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 64])  # 64: the default on CUDA
 def test_prefix_caching_and_chunked_prefill_keep_greedy_outputs(
-    model_dir, prefix_caching, chunked_prefill
+    model_dir, prefix_caching, chunked_prefill, block_size
 ):
-    shared = random_prompts(1, seed=5, lo=40, hi=40)[0]
+    # The shared prefix spans whole blocks of either size, then part of one.
+    shared = random_prompts(1, seed=5, lo=140, hi=140)[0]
     prompts = [shared + tail for tail in random_prompts(6, seed=6, lo=3, hi=60)]
     params = greedy(16)
 
@@ -385,9 +388,17 @@ def test_prefix_caching_and_chunked_prefill_keep_greedy_outputs(
         first = llm.generate(prompts[:1], params)  # its blocks are cached for the others
         return first + llm.generate(prompts[1:], params)
 
-    want = run(gpu_llm(model_dir, enable_prefix_caching=False, enable_chunked_prefill=False))
+    want = run(
+        gpu_llm(
+            model_dir,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            block_size=block_size,
+        )
+    )
     llm = gpu_llm(
         model_dir,
+        block_size=block_size,
         enable_prefix_caching=prefix_caching,
         enable_chunked_prefill=chunked_prefill,
         max_num_batched_tokens=32,  # chunks every prompt here when chunking is on

@@ -9,7 +9,7 @@
 # attention-workload, bench, bench-base (bench on the engine benchmarks/gpu/ab_base.sh
 # staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
-# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill,
+# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, cprofile-prefill,
 # profile-run. flashinfer's JIT cache (and Triton's) lives in .ficache/ (git-ignored); it travels
 # as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
 # ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
@@ -73,6 +73,7 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
     profile-batch1) python3 benchmarks/gpu_profile.py --kernels --rows 1 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-rows32) python3 benchmarks/gpu_profile.py --kernels --rows 32 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-prefill) python3 benchmarks/gpu_profile.py --prefill 2>&1 | tee -a "$OUT/log.txt" ;;
+    cprofile-prefill) python3 benchmarks/gpu_profile.py --prefill --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-run) python3 benchmarks/gpu_profile.py --run-kernels 2>&1 | tee -a "$OUT/log.txt" ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
