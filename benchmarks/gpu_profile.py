@@ -423,10 +423,10 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_prefill(engine, work, params, with_cprofile: bool) -> None:
-    """The workload's steps from the first until every prompt has been prefilled, twice:
-    first with each step's host phases timed (and the host under cProfile if asked), then (after
-    aborting that batch, on prompts shifted by one token id so nothing is a prefix-cache
-    hit) under torch.profiler: GPU time by kernel."""
+    """The workload's steps from the first until every prompt has been prefilled: twice with
+    each step's host phases timed (and the host under cProfile if asked), then under
+    torch.profiler: GPU time by kernel. Between passes the batch is aborted, and each pass
+    shifts the prompts' token ids, so nothing is a prefix-cache hit."""
 
     def prefilling() -> bool:
         scheduler = engine.scheduler
@@ -441,42 +441,44 @@ def profile_prefill(engine, work, params, with_cprofile: bool) -> None:
             engine.add_request(ids[-1], [t + shift for t in prompt], sp)
         return ids
 
-    # Pass 1: host phases (and cProfile).
-    unwrapped = engine.scheduler.schedule, engine.runner.execute, engine.runner.collect
-    steps = record_steps(engine)
-    ids = add_all(0)
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    if with_cprofile:
-        profiler.enable()
-    while prefilling():
+    # Pass 1, run twice (the engine's first prefill-sized steps, then the same again on
+    # other prompts): host phases (and cProfile).
+    for shift, label in ((0, "first"), (2, "again")):
+        unwrapped = engine.scheduler.schedule, engine.runner.execute, engine.runner.collect
+        steps = record_steps(engine)
+        ids = add_all(shift)
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        if with_cprofile:
+            profiler.enable()
+        while prefilling():
+            engine.step()
         engine.step()
-    engine.step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    elapsed = time.perf_counter() - start
-    engine.scheduler.schedule, engine.runner.execute, engine.runner.collect = unwrapped
-    under = " (host under cProfile)" if with_cprofile else ""
-    print(f"prefill: {len(steps)} steps in {elapsed:.3f} s{under}")
-    print("step  decode rows  prefill tokens  wall ms  execute ms  collect ms  gpu ms")
-    for i, (step, following) in enumerate(zip(steps, steps[1:], strict=False)):
-        print(
-            f"{i:4d} {step.decode_rows:12d} {step.prefill_tokens:15d}"
-            f" {(following.scheduled_at - step.scheduled_at) * 1e3:8.2f}"
-            f" {step.execute_s * 1e3:11.2f} {step.collect_s * 1e3:11.2f}"
-            f" {step.gpu_start.elapsed_time(following.gpu_start):7.2f}"
-        )
-    if with_cprofile:
-        out = io.StringIO()
-        stats = pstats.Stats(profiler, stream=out)
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_stats(45)
-        print(out.getvalue())
-    for request_id in ids:
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests:
-        engine.step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        elapsed = time.perf_counter() - start
+        engine.scheduler.schedule, engine.runner.execute, engine.runner.collect = unwrapped
+        under = " (host under cProfile)" if with_cprofile else ""
+        print(f"prefill ({label}): {len(steps)} steps in {elapsed:.3f} s{under}")
+        print("step  decode rows  prefill tokens  wall ms  execute ms  collect ms  gpu ms")
+        for i, (step, following) in enumerate(zip(steps, steps[1:], strict=False)):
+            print(
+                f"{i:4d} {step.decode_rows:12d} {step.prefill_tokens:15d}"
+                f" {(following.scheduled_at - step.scheduled_at) * 1e3:8.2f}"
+                f" {step.execute_s * 1e3:11.2f} {step.collect_s * 1e3:11.2f}"
+                f" {step.gpu_start.elapsed_time(following.gpu_start):7.2f}"
+            )
+        if with_cprofile:
+            out = io.StringIO()
+            stats = pstats.Stats(profiler, stream=out)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(45)
+            print(out.getvalue())
+        for request_id in ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests:
+            engine.step()
 
     # Pass 2: GPU time by kernel.
     add_all(1)
