@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# Stage another commit's engine for an A/B in one device call: .ab_base/ (git-ignored) gets
-# that commit's engine/ and proto/ beside this tree's benchmarks/, so run.sh's bench-base
-# step times the same benchmark on the other engine, on the same machine as bench. A patch
-# (the diff of an experiment not on main) is applied to that engine.
+# Stage other engines for an A/B in one device call: .ab_base/ (git-ignored) gets one
+# directory per engine, each holding that commit's engine/ and proto/ beside this tree's
+# benchmarks/, so run.sh's bench-base step times the same benchmark on each of them, on
+# the same machine as bench. With patches (the diffs of experiments not on main), each
+# patch is applied to its own copy of the commit's engine: several experiments, one call.
 #
-#   bash benchmarks/gpu/ab_base.sh <commit> [patch]
+#   bash benchmarks/gpu/ab_base.sh <commit> [patch ...]
 #   run(command="BENCH_COMMIT=<this commit> bash benchmarks/gpu/run.sh bench bench-base",
 #       carry=[".whl", ".ficache.tgz", ".ab_base"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-commit=$(git rev-parse --short "${1:?usage: ab_base.sh <commit> [patch]}")
-patch=${2:-}
+commit=$(git rev-parse --short "${1:?usage: ab_base.sh <commit> [patch ...]}")
+shift
 rm -rf .ab_base
 mkdir .ab_base
-git archive "$commit" engine proto | tar -x -C .ab_base
-if [ -n "$patch" ]; then
-    git apply --directory=.ab_base --include='.ab_base/engine/*' "$patch"
-    commit="$commit+$(basename "$patch" .patch)"
+stage() {  # stage <label> [patch]
+    local dir=.ab_base/$1
+    mkdir "$dir"
+    git archive "$commit" engine proto | tar -x -C "$dir"
+    [ -z "${2:-}" ] || git apply --directory="$dir" --include="$dir/engine/*" "$2"
+    cp -r benchmarks pyproject.toml "$dir/"
+    echo "$1" > "$dir/COMMIT"
+    echo "staged $1 in $dir ($(du -sh "$dir" | cut -f1))"
+}
+if [ $# = 0 ]; then
+    stage "$commit"
 fi
-cp -r benchmarks pyproject.toml .ab_base/
-echo "$commit" > .ab_base/COMMIT
-echo "staged $commit in .ab_base ($(du -sh .ab_base | cut -f1))"
+for patch in "$@"; do
+    stage "$commit+$(basename "$patch" .patch)" "$patch"
+done

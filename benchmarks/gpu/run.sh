@@ -6,7 +6,7 @@
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
 # Steps (arguments, in any order): tests, kernels, host-costs, host-overhead, linear, attention,
-# attention-workload, bench, bench-base (bench on the engine benchmarks/gpu/ab_base.sh
+# attention-workload, bench, bench-base (bench on each engine benchmarks/gpu/ab_base.sh
 # staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, cprofile-prefill,
@@ -49,10 +49,15 @@ for step in "$@"; do
         2>&1 | tee -a "$OUT/log.txt" ;;
     bench) python3 benchmarks/gpu_bench.py $BENCH_ARGS --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;
-    # The engine benchmarks/gpu/ab_base.sh staged in .ab_base, under this tree's benchmark.
-    bench-base) (cd .ab_base && BENCH_COMMIT=$(cat COMMIT) PYTHONPATH=/tmp/site:$PWD \
-        python3 benchmarks/gpu_bench.py $BENCH_ARGS --json-out "$OUT/gpu-qwen3-0.6b-base.json") 2>&1 \
-        | tee -a "$OUT/log.txt" ;;
+    # Each engine benchmarks/gpu/ab_base.sh staged in .ab_base, under this tree's benchmark.
+    bench-base) failed=0
+      for base in .ab_base/*/; do
+        label=$(cat "$base/COMMIT")
+        (cd "$base" && BENCH_COMMIT=$label PYTHONPATH=/tmp/site:$PWD \
+          python3 benchmarks/gpu_bench.py $BENCH_ARGS --json-out "$OUT/gpu-qwen3-0.6b-base-${label//[^A-Za-z0-9.-]/_}.json") 2>&1 \
+          | sed "s|^|[$label] |" | tee -a "$OUT/log.txt" || failed=1
+      done
+      (exit $failed) ;;
     bench-hf) python3 benchmarks/gpu_bench.py --compare-transformers \
         --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-32k) python3 benchmarks/gpu_bench.py --max-num-batched-tokens 32768 \
