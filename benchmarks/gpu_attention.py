@@ -10,7 +10,8 @@ context pairs, and the uneven lengths of the offline workload's own decode steps
 bandwidth. Variants: the CUDA-core kernel and the tensor-core one (flashinfer's prefill
 kernels), which engine/attention/flashinfer_backend.py picks between by batch size, on the
 engine's pool (NHD layout, 16-token pages), and the tensor-core path with its KV split off
-or at a fixed length (each split costs a merge kernel) or on 32- and 64-token pages; the
+or at a fixed length (each split costs a merge kernel) or on 32- and 64-token pages, and
+both kernels on 64-token pages in the NHD and the HND layout; the
 workload's steps also with the batch ordered longest context first (--workload-only: the
 workload's steps as they come). TensorRT-LLM's XQA kernel
 (flashinfer.decode.xqa_batch_decode_with_kv_cache) is still in decode_call, out of
@@ -66,7 +67,12 @@ VARIANTS = (
     ("tensor-core, 512-token splits", 16),
     # Larger pages for the tensor-core path (the CUDA-core kernel's changed < 3% at 32).
     ("tensor-core", 32),
+    # 64-token pages, the engine's default on CUDA since 6a52c8d: both kernels, on the NHD
+    # pool and on the HND one (each head's page one contiguous 16 KiB run).
     ("tensor-core", 64),
+    ("tensor-core, HND", 64),
+    ("cuda-core", 64),
+    ("cuda-core, HND", 64),
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
@@ -95,11 +101,14 @@ def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, pag
     last_page_len = torch.tensor(contexts, dtype=torch.int32) - (counts - 1) * page_size
     workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda")
     extra = {"backend": "fa3"} if variant == "tensor-core-fa3" else {}
+    layout = "HND" if "HND" in variant else "NHD"
+    if layout == "HND":  # the same pages, each head's tokens contiguous
+        cache = cache.transpose(2, 3).contiguous()
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace,
-        "NHD",
+        layout,
         use_cuda_graph=True,
-        use_tensor_cores=variant != "cuda-core",
+        use_tensor_cores=not variant.startswith("cuda-core"),
         paged_kv_indptr_buffer=indptr.cuda(),
         paged_kv_indices_buffer=indices,
         paged_kv_last_page_len_buffer=last_page_len.cuda(),
