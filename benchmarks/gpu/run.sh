@@ -15,8 +15,15 @@
 # ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
 # next call.
 set -uo pipefail
-BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 64"
+BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
+# Experiment patches to apply to this (throwaway) copy of the tree first, so that its
+# steps (the GPU tests above all) run the experiment: APPLY_PATCHES="benchmarks/gpu/patches/x.patch".
+APPLY_PATCHES=${APPLY_PATCHES:-}
 cd "$(dirname "$0")/../.."
+for patch in $APPLY_PATCHES; do
+  { git apply "$patch" 2>/dev/null || patch -p1 --forward < "$patch"; } || exit 1
+  echo "applied $patch"
+done
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
