@@ -8,9 +8,10 @@ token post-processing (detokenize, stops, events). A step whose runner time is m
 wait is GPU-bound; one whose time is mostly host phases is bound by Python. A timeline
 then shows each window of 100 steps: its mean step time and what the steps held. --kernels
 instead profiles 20 steady decode steps with torch.profiler: GPU time by kernel; --prefill
-the workload's first steps, until every prompt is prefilled (with --cprofile, the host under cProfile); --run-kernels the whole
-workload: GPU time by kernel, the share of the run the GPU was busy, and its idle
-stretches by what the host was doing meanwhile (an engine phase or Python's collector).
+the workload's first steps, until every prompt is prefilled (with --cprofile, the host
+under cProfile); --run-kernels the whole workload: GPU time by kernel, the share of the
+run the GPU was busy, and its idle stretches by what the host was doing meanwhile (an
+engine phase or Python's collector).
 """
 
 from __future__ import annotations
