@@ -6,20 +6,43 @@ into the KV pool it is given); inputs may be strided views (a q slice of the mer
 projection, the gate-up output) as long as their last dim is contiguous. Launchers never
 read tensor values on the host, so every kernel can be captured in a CUDA graph. Token
 counts are not specialized on (do_not_specialize), so a new batch size does not compile a
-new kernel variant.
+new kernel variant. On sm_90 and later the per-layer kernels (norms, rotary + KV write,
+SiLU-and-mul) use programmatic dependent launch, and the sampling race takes its noise's
+logarithms on the GPU's approximate log unit (_log_exponential_noise says where it stays
+exact).
 
 TRITON_INTERPRET=1 runs these kernels on CPU tensors (tests/test_kernels.py does).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
 
 
 def _num_warps(elements_per_program: int) -> int:
     return min(max(elements_per_program // 256, 1), 8)
+
+
+@functools.cache
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm_90 on): a kernel launched with it may start while
+    the kernel before it finishes, and waits in gdc_wait() before reading that kernel's
+    output; the gap between the two (a launch's latency) is hidden. Not in the interpreter."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    # Called first thing: nothing is read before the kernel before this one has finished
+    # (and its writes are visible); the next kernel may then start launching.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -40,7 +63,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_start(PDL)
     # Row r of the flattened [..., D] input sits at (r // rows_per_outer, r % rows_per_outer)
     # of a [outer, inner, D] view: per-head norms read q/k heads in place, without a copy.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -110,7 +135,9 @@ def _launch_rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_DIM=block_dim,
+        PDL=_pdl(x.device),
         num_warps=_num_warps(block_rows * block_dim),
+        launch_pdl=_pdl(x.device),
     )
     return out, res_out
 
@@ -126,7 +153,10 @@ def fused_add_rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, x_row_stride, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, x_row_stride, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -147,7 +177,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
-        x, x.stride(0), out, inter, BLOCK=block, num_warps=_num_warps(block)
+        x,
+        x.stride(0),
+        out,
+        inter,
+        BLOCK=block,
+        PDL=_pdl(x.device),
+        num_warps=_num_warps(block),
+        launch_pdl=_pdl(x.device),
     )
     return out
 
@@ -216,7 +253,9 @@ def _rotary_and_store_kv_kernel(
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_start(PDL)
     # One program per token: its cos / sin row is read once for all its q and k heads; its
     # rotated q goes to q_out, its rotated k and its v to its slot of the pool (or nowhere:
     # slot -1). Heads are tiled as halves [heads, D/2], v included.
@@ -346,7 +385,9 @@ def rotary_and_store_kv(
             BLOCK_Q_HEADS=block_q_heads,
             BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=block_half,
+            PDL=_pdl(q.device),
             num_warps=_num_warps(2 * block_q_heads * block_half),
+            launch_pdl=_pdl(q.device),
         )
     return q_out
 
@@ -373,6 +414,22 @@ def _row_key(seed, counter):
     return _fmix32(key ^ counter.to(tl.uint32))
 
 
+@triton.jit
+def _log_exponential_noise(bits, FAST: tl.constexpr):
+    # log(E) for E = -log(u), u = ((bits >> 9) + 0.5) * 2^-23: engine/sampler.py's noise.
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+    if not FAST:  # libdevice's logf, a ~20-instruction polynomial (the interpreter's path)
+        return tl.log(-tl.log(uniform))
+    # On the GPU: the MUFU's approximate logarithm, two instructions, for both logs. Its
+    # absolute error (~1e-7) would swamp E where u is near 1, which is where E is small
+    # and the noise large: the races' winners. There E = -log1p(-w), w = 1 - u exactly,
+    # comes from its series (w < 2^-8: the first term left out is < 1e-10 of w).
+    w = ((8388608 - (bits >> 9)).to(tl.float32) - 0.5) * 1.1920928955078125e-07
+    series = w * (1.0 + w * (0.5 + w * (0.3333333432674408 + w * 0.25)))
+    exponential = tl.where(w < 0.00390625, series, -libdevice.fast_logf(uniform))
+    return libdevice.fast_logf(exponential)
+
+
 # The vocab of each row is split over several programs (stage 1), then a tiny kernel reduces
 # each row's splits (stage 2): one program per row would leave most SMs idle at small batch.
 _RACE_BLOCK = 2048
@@ -397,6 +454,7 @@ def _exponential_race_kernel(
     vocab_size,
     blocks_per_split,
     HAS_TEMPERATURE: tl.constexpr,
+    FAST_NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # Program (row, split) races the split's slice of the row, blocks_per_split * BLOCK
@@ -413,7 +471,9 @@ def _exponential_race_kernel(
     greedy = tl.load(greedy_ptr + row)
     key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
     if HAS_TEMPERATURE:
-        temperature = tl.load(temperature_ptr + row)
+        # One IEEE division per program, then a multiply per logit: within an ulp of
+        # dividing each, as the log approximations below already differ from torch's.
+        inv_temperature = tl.math.div_rn(1.0, tl.load(temperature_ptr + row))
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = start + tl.arange(0, BLOCK)  # each lane's first column, for a slice all -inf
     for block_start in range(start, end, BLOCK):
@@ -423,10 +483,9 @@ def _exponential_race_kernel(
         value = logits.to(tl.float32)
         if not greedy:
             if HAS_TEMPERATURE:
-                value = tl.math.div_rn(value, temperature)  # IEEE, as torch divides
+                value = value * inv_temperature
             bits = _fmix32(key + cols.to(tl.uint32) * 0x9E3779B9)
-            uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
-            value = value - tl.log(-tl.log(uniform))
+            value = value - _log_exponential_noise(bits, FAST_NOISE)
         better = value > best  # strict: each lane keeps its first maximum
         best = tl.where(better, value, best)
         best_index = tl.where(better, cols, best_index)
@@ -526,6 +585,7 @@ def split_exponential_race(
             vocab_size,
             blocks_per_split,
             HAS_TEMPERATURE=temperature is not None,
+            FAST_NOISE=logits.device.type == "cuda",
             BLOCK=block,
             num_warps=_num_warps(block),
         )
