@@ -26,9 +26,11 @@ to when no row is padding (a prefill's case).
     python benchmarks/gpu_kernels.py --tokens 1 256 --sample-rows 1 256   # decode shapes only
 
 The linear section times a decode step's projections (qkv, o_proj, gate_up, down and the
-LM head, x of 1 to 32 rows) three ways in CUDA graphs: the skinny-GEMM Triton kernel
-(engine/kernels/triton_linear.py, its pick_config), F.linear, and (W @ x.T).T, for which
-cuBLAS may pick a GEMV. Each call reads the next of identical weight copies spanning
+LM head, x of 1 to 256 rows) in CUDA graphs: the skinny-GEMM Triton kernel
+(engine/kernels/triton_linear.py, its pick_config), F.linear, (W @ x.T).T, for which
+cuBLAS may pick a GEMV, torch on cuBLASLt, flashinfer's tinygemm2, and flashinfer's
+mm_bf16 on cuBLASLt with every algorithm the library offers for the shape timed by
+flashinfer's autotuner (cublaslt-tuned; cuBLAS itself takes its heuristic's first pick). Each call reads the next of identical weight copies spanning
 512 MB, so replays stream the weight from HBM as 28 layers do, and the table gives
 weight bytes read per second (TB/s). Its summary sums one layer's four projections per
 row count and prints the SKINNY_MAX_ROWS (engine/model/llama.py) the numbers support.
@@ -274,7 +276,7 @@ LINEAR_SHAPES = {  # name: W's [N, K] (x is [rows, K])
 }
 LAYER_SHAPES = ("qkv", "o_proj", "gate_up", "down")  # one decoder layer's projections
 NUM_LAYERS = 28
-LINEAR_IMPLS = ("triton", "F.linear", "W@x.T", "cublaslt", "tinygemm")
+LINEAR_IMPLS = ("triton", "F.linear", "W@x.T", "cublaslt", "tinygemm", "cublaslt-tuned")
 # Copies of a weight cycled through call after call, so that graph replays stream it from
 # HBM as a decode step does (28 layers' weights do not fit in the H200's 50 MB L2).
 ROTATION_BYTES = 512 << 20
@@ -315,12 +317,27 @@ def linear_calls(rows: int, n: int, k: int, dtype: torch.dtype):
         tinygemm_bf16(x, weight(), out)
         return out
 
+    tuned = False
+
+    def cublaslt_tuned() -> torch.Tensor:
+        # Every algorithm cuBLASLt offers for the shape, timed by flashinfer's autotuner on
+        # the first (eager) call, the fastest kept: cuBLAS's heuristic takes its first pick.
+        import flashinfer
+
+        nonlocal tuned
+        if not tuned:
+            with flashinfer.autotune(True):
+                flashinfer.mm_bf16(x, weight().T, backend="cublaslt")
+            tuned = True
+        return flashinfer.mm_bf16(x, weight().T, backend="cublaslt")
+
     calls = {
         "triton": triton_with(None),  # pick_config's choice, as linear() runs it
         "F.linear": lambda: torch.nn.functional.linear(x, weight()),
         "W@x.T": lambda: (weight() @ x.T).T,  # a transposed view: cuBLAS may pick a GEMV
         "cublaslt": cublaslt,
         "tinygemm": tinygemm,
+        "cublaslt-tuned": cublaslt_tuned,
     }
     return calls, triton_with
 
@@ -341,13 +358,15 @@ def time_linear(
     return Result(name, rows, impl, graph_ms * 1e3, None, weight_gbps)
 
 
-def run_linear(rows_list: list[int], names: list[str], dtype: torch.dtype) -> list[Result]:
+def run_linear(
+    rows_list: list[int], names: list[str], impls: list[str], dtype: torch.dtype
+) -> list[Result]:
     results = []
     for name in names:
         for rows in rows_list:
             calls, _ = linear_calls(rows, *LINEAR_SHAPES[name], dtype)
-            for impl, call in calls.items():
-                results.append(time_linear(name, rows, impl, call, calls["F.linear"]))
+            for impl in impls:
+                results.append(time_linear(name, rows, impl, calls[impl], calls["F.linear"]))
         torch.cuda.empty_cache()
     return results
 
@@ -438,16 +457,15 @@ def print_linear_table(results: list[Result]) -> None:
     by_case: dict[tuple[str, int], dict[str, Result]] = {}
     for result in results:
         by_case.setdefault((result.op, result.tokens), {})[result.impl] = result
+    impls = [impl for impl in LINEAR_IMPLS if any(r.impl == impl for r in results)]
     print(
         f"\n{'linear':<8} {'N x K':>13} {'rows':>4} | "
-        + " | ".join(f"{impl:>14}" for impl in LINEAR_IMPLS)
+        + " | ".join(f"{impl:>14}" for impl in impls)
     )
-    print(
-        f"{'':<8} {'':>13} {'':>4} | " + " | ".join(f"{'graph us  TB/s':>14}" for _ in LINEAR_IMPLS)
-    )
+    print(f"{'':<8} {'':>13} {'':>4} | " + " | ".join(f"{'graph us  TB/s':>14}" for _ in impls))
     for (name, rows), by_impl in by_case.items():
         shape = "x".join(map(str, LINEAR_SHAPES[name]))
-        cells = " | ".join(cell(by_impl.get(impl)) for impl in LINEAR_IMPLS)
+        cells = " | ".join(cell(by_impl.get(impl)) for impl in impls)
         print(f"{name:<8} {shape:>13} {rows:>4} | {cells}")
     for result in results:
         if result.error:
@@ -456,7 +474,7 @@ def print_linear_table(results: list[Result]) -> None:
     # A decode step's share: one layer's four projections, and that times the layers.
     totals: dict[int, dict[str, float]] = {}
     for rows in sorted({rows for _, rows in by_case}):
-        for impl in LINEAR_IMPLS:
+        for impl in impls:
             parts = [by_case.get((name, rows), {}).get(impl) for name in LAYER_SHAPES]
             if all(part is not None and part.error is None for part in parts):
                 totals.setdefault(rows, {})[impl] = sum(part.graph_us for part in parts)
@@ -470,6 +488,8 @@ def print_linear_table(results: list[Result]) -> None:
             f"{impl} {us:6.1f} ({us * NUM_LAYERS / 1e3:.3f})" for impl, us in by_impl.items()
         )
         print(f"  rows {rows:>3}: {cells}")
+    if not any("triton" in by_impl for by_impl in totals.values()):
+        return
     faster = [
         rows
         for rows, by_impl in totals.items()
@@ -524,6 +544,9 @@ def main() -> None:
         "--linear-shapes", nargs="+", default=list(LINEAR_SHAPES), choices=list(LINEAR_SHAPES)
     )
     parser.add_argument(
+        "--linear-impls", nargs="+", default=list(LINEAR_IMPLS), choices=list(LINEAR_IMPLS)
+    )
+    parser.add_argument(
         "--linear-sweep",
         action="store_true",
         help="also time every candidate configuration of the Triton kernel (minutes)",
@@ -550,7 +573,7 @@ def main() -> None:
         for impl in IMPLS
     ]
     print_table(results)
-    linear_results = run_linear(args.linear_rows, args.linear_shapes, dtype)
+    linear_results = run_linear(args.linear_rows, args.linear_shapes, args.linear_impls, dtype)
     print_linear_table(linear_results)
     sweep = (
         run_linear_sweep(args.linear_rows, args.linear_shapes, dtype) if args.linear_sweep else []

@@ -16,6 +16,7 @@
 # next call.
 set -uo pipefail
 BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
+LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
 # Experiment patches to apply to this (throwaway) copy of the tree first, so that its
 # steps (the GPU tests above all) run the experiment: APPLY_PATCHES="benchmarks/gpu/patches/x.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
@@ -87,7 +88,7 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
     profile-prefill) python3 benchmarks/gpu_profile.py --prefill 2>&1 | tee -a "$OUT/log.txt" ;;
     cprofile-prefill) python3 benchmarks/gpu_profile.py --prefill --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-run) python3 benchmarks/gpu_profile.py --run-kernels 2>&1 | tee -a "$OUT/log.txt" ;;
-    linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows \
+    linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows $LINEAR_ARGS \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
