@@ -30,7 +30,8 @@ LM head, x of 1 to 256 rows) in CUDA graphs: the skinny-GEMM Triton kernel
 (engine/kernels/triton_linear.py, its pick_config), F.linear, (W @ x.T).T, for which
 cuBLAS may pick a GEMV, torch on cuBLASLt, flashinfer's tinygemm2, and flashinfer's
 mm_bf16 on cuBLASLt with every algorithm the library offers for the shape timed by
-flashinfer's autotuner (cublaslt-tuned; cuBLAS itself takes its heuristic's first pick). Each call reads the next of identical weight copies spanning
+flashinfer's autotuner (cublaslt-tuned; cuBLAS itself takes its heuristic's first pick;
+--linear-impls picks some). Each call reads the next of identical weight copies spanning
 512 MB, so replays stream the weight from HBM as 28 layers do, and the table gives
 weight bytes read per second (TB/s). Its summary sums one layer's four projections per
 row count and prints the SKINNY_MAX_ROWS (engine/model/llama.py) the numbers support.

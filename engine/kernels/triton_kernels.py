@@ -29,11 +29,14 @@ def _num_warps(elements_per_program: int) -> int:
 
 
 @functools.cache
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (sm_90 on): a kernel launched with it may start while
-    the kernel before it finishes, and waits in gdc_wait() before reading that kernel's
-    output; the gap between the two (a launch's latency) is hidden. Not in the interpreter."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def _pdl_options(device: torch.device) -> dict[str, bool]:
+    """The launch options of a kernel that calls _pdl_start: programmatic dependent launch
+    (sm_90 on) both in the kernel (PDL) and at its launch (launch_pdl), or neither. A kernel
+    launched so may start while the kernel before it finishes, and waits in gdc_wait()
+    before reading that kernel's output; the gap between the two (a launch's latency) is
+    hidden. Not in the interpreter."""
+    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit
@@ -135,9 +138,8 @@ def _launch_rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_DIM=block_dim,
-        PDL=_pdl(x.device),
         num_warps=_num_warps(block_rows * block_dim),
-        launch_pdl=_pdl(x.device),
+        **_pdl_options(x.device),
     )
     return out, res_out
 
@@ -182,9 +184,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out,
         inter,
         BLOCK=block,
-        PDL=_pdl(x.device),
         num_warps=_num_warps(block),
-        launch_pdl=_pdl(x.device),
+        **_pdl_options(x.device),
     )
     return out
 
@@ -385,9 +386,8 @@ def rotary_and_store_kv(
             BLOCK_Q_HEADS=block_q_heads,
             BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=block_half,
-            PDL=_pdl(q.device),
             num_warps=_num_warps(2 * block_q_heads * block_half),
-            launch_pdl=_pdl(q.device),
+            **_pdl_options(q.device),
         )
     return q_out
 
