@@ -5,7 +5,7 @@
 #
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
-# Steps (arguments, in any order): tests, kernels, host-costs, host-overhead, linear, attention,
+# Steps (arguments, in any order): tests, kernels, overlap, host-costs, host-overhead, linear, attention,
 # attention-workload, bench, bench-base (bench on each engine benchmarks/gpu/ab_base.sh
 # staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
@@ -49,6 +49,7 @@ for step in "$@"; do
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    overlap) python3 benchmarks/gpu_overlap.py --json-out "$OUT/gpu-overlap.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     host-costs) python3 benchmarks/gpu_host_costs.py --json-out "$OUT/gpu-host-costs.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;

@@ -1,0 +1,251 @@
+"""GPU micro-benchmark: a decode step as one batch, or as two half-batches on two streams.
+
+    python benchmarks/gpu_overlap.py [--steps 50 300 600 850] [--json-out FILE]
+
+Why: at the offline workload's large decode batches a layer's attention reads KV at
+close to the copy bandwidth, while its four GEMMs and five small kernels sit at a
+per-kernel floor of a few microseconds, far from any limit (RESULTS.md). Cut the batch in
+two halves and give each its own chain of kernels on its own stream, and one half's
+GEMMs can run while the other half's attention streams KV: the step could take about
+its attention time plus one weight read per layer instead of the sum of everything.
+
+It times the real engine model (Qwen3-0.6B shape, random bf16 weights, 64-token pages),
+its whole forward captured in a CUDA graph per variant, at the workload's own decode
+steps (gpu_attention.py's WORKLOAD_STEPS contexts), in microseconds per step:
+
+- `one batch`: the engine's decode graph as it is (one chain, one decode plan);
+- `halves, one stream`: the two half-batches one after the other (what splitting costs);
+- `halves, two streams`: the halves as two independent chains (the GPU interleaves them
+  as it likes);
+- `halves, ping-pong`: two streams, and each half's attention of layer l waits for the
+  other half's attention before it (layer l-1 for the first half, l for the second), so
+  the attentions alternate and each runs beside the other half's GEMMs.
+
+The halves are balanced by context (sorted, dealt alternately), as the engine would.
+Each variant's output is checked against `one batch`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_attention import WORKLOAD_STEPS, workload_contexts  # noqa: E402
+from benchmarks.gpu_bench import SHAPES, write_random_model  # noqa: E402
+from benchmarks.workload import run_info  # noqa: E402
+
+PAGE = 64
+WORKSPACE_BYTES = 128 * 2**20
+VARIANTS = ("one batch", "halves, one stream", "halves, two streams", "halves, ping-pong")
+
+
+class SwitchBackend:
+    """An attention backend whose decode wrapper (and the events around it) the capture
+    sets before each chain's layer: the captured kernels keep whatever was set."""
+
+    def __init__(self) -> None:
+        self.wrapper = None
+        self.wait_for: torch.cuda.Event | None = None
+        self.done: torch.cuda.Event | None = None
+
+    def plan(self, meta) -> None:  # planned outside, per wrapper
+        pass
+
+    def forward(self, q, kv_cache, meta, scale):
+        if self.wait_for is not None:
+            torch.cuda.current_stream().wait_event(self.wait_for)
+        out = self.wrapper.run(q, kv_cache)
+        if self.done is not None:
+            self.done.record()
+        return out
+
+
+class Half:
+    """One chain's static inputs: token ids, positions, KV slots, and its planned wrapper."""
+
+    def __init__(self, contexts: list[int], pages: list[list[int]], cfg, kv_dtype) -> None:
+        import flashinfer
+
+        from engine.attention.base import AttentionMetadata
+        from engine.attention.flashinfer_backend import decode_uses_tensor_cores, page_table
+
+        n = len(contexts)
+        dev = "cuda"
+        self.input_ids = torch.randint(0, 10000, (n,), device=dev)
+        self.positions = torch.tensor([c - 1 for c in contexts], device=dev)
+        slots = [p[(c - 1) // PAGE] * PAGE + (c - 1) % PAGE for c, p in zip(contexts, pages)]
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(contexts, dtype=torch.int32, device=dev),
+            block_tables=None,
+            slot_mapping=torch.tensor(slots, device=dev),
+            query_lens_cpu=[1] * n,
+            seq_lens_cpu=contexts,
+            block_size=PAGE,
+        )
+        table = page_table(contexts, pages, PAGE)
+        indptr = torch.from_numpy(table.indptr)
+        indices = torch.from_numpy(table.indices).cuda()
+        last = torch.from_numpy(table.last_page_len)
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=decode_uses_tensor_cores(n, group),
+            paged_kv_indptr_buffer=indptr.cuda(),
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last.cuda(),
+        )
+        self.wrapper.plan(
+            indptr,
+            indices,
+            last,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            PAGE,
+            sm_scale=cfg.head_dim**-0.5,
+            q_data_type=kv_dtype,
+            kv_data_type=kv_dtype,
+        )
+
+
+def run_layers(model, backend, halves, streams, kv_caches, ping_pong: bool) -> list:
+    """Queue the model's forward for each half on its stream, layer by layer in turn."""
+    inner = model.model
+    hidden, residual = [], []
+    for half, stream in zip(halves, streams):
+        with torch.cuda.stream(stream):
+            hidden.append(inner.embed_tokens(half.input_ids))
+            residual.append(None)
+    cos_sin = []
+    for half, stream in zip(halves, streams):
+        with torch.cuda.stream(stream):
+            cos_sin.append(inner.rotary_emb(half.positions))
+    done_prev = None  # the last attention queued, of whichever half
+    for layer, kv in zip(inner.layers, kv_caches, strict=True):
+        for i, (half, stream) in enumerate(zip(halves, streams)):
+            with torch.cuda.stream(stream):
+                backend.wrapper = half.wrapper
+                backend.wait_for = done_prev if ping_pong else None
+                backend.done = torch.cuda.Event() if ping_pong else None
+                cos, sin = cos_sin[i]
+                hidden[i], residual[i] = layer(hidden[i], residual[i], cos, sin, kv, half.meta)
+                done_prev = backend.done
+    outs = []
+    for i, stream in enumerate(streams):
+        with torch.cuda.stream(stream):
+            outs.append(inner.norm(hidden[i], residual[i])[0])
+    backend.wait_for = backend.done = None
+    return outs
+
+
+def capture(model, backend, halves, kv_caches, variant: str, pool):
+    main = torch.cuda.Stream()
+    side = torch.cuda.Stream() if "streams" in variant or "ping-pong" in variant else main
+    streams = [main] + [side] * (len(halves) - 1)
+    ping_pong = variant == "halves, ping-pong"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(main):
+        run_layers(model, backend, halves, streams, kv_caches, ping_pong)  # warm-up
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=pool, stream=main):
+            side.wait_stream(main)
+            outs = run_layers(model, backend, halves, streams, kv_caches, ping_pong)
+            main.wait_stream(side)
+    return graph, outs
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, repeats: int = 30) -> float:
+    """Median microseconds per replay, each timed by events, the GPU kept busy before it."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@torch.inference_mode()
+def time_step(model, cfg, contexts: list[int], kv_caches) -> list[dict]:
+    counts = [-(-c // PAGE) for c in contexts]
+    page_ids = torch.randperm(sum(counts)).tolist()
+    pages, at = [], 0
+    for n in counts:
+        pages.append(page_ids[at : at + n])
+        at += n
+    order = sorted(range(len(contexts)), key=contexts.__getitem__)
+    split = [order[0::2], order[1::2]]  # balanced halves: sorted, dealt alternately
+    whole = Half(contexts, pages, cfg, kv_caches[0].dtype)
+    halves = [
+        Half([contexts[i] for i in part], [pages[i] for i in part], cfg, kv_caches[0].dtype)
+        for part in split
+    ]
+    backend = model.model.layers[0].self_attn.backend
+    rows, reference, pool = [], None, None
+    for variant in VARIANTS:
+        chains = [whole] if variant == "one batch" else halves
+        graph, outs = capture(model, backend, chains, kv_caches, variant, pool)
+        pool = pool or graph.pool()
+        graph.replay()
+        torch.cuda.synchronize()
+        out = outs[0] if len(outs) == 1 else torch.empty_like(reference)
+        if len(outs) == 2:
+            out[split[0]], out[split[1]] = outs
+        if reference is None:
+            reference = out.clone()
+        row = dict(
+            batch=len(contexts),
+            context=round(sum(contexts) / len(contexts)),
+            variant=variant,
+            us=round(time_graph(graph), 1),
+            max_abs_diff=round((out.float() - reference.float()).abs().max().item(), 4),
+        )
+        print(row, flush=True)
+        rows.append(row)
+        del graph
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, nargs="+", default=list(WORKLOAD_STEPS[:4]))
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+
+    from engine.model.loader import load_model
+
+    path = write_random_model(SHAPES["qwen3-0.6b"], Path("/tmp/pagedserve-bench-models/qwen3-0.6b"))
+    backend = SwitchBackend()
+    model, cfg = load_model(path, torch.bfloat16, torch.device("cuda"), backend)
+    steps = {step: workload_contexts(step) for step in args.steps}
+    num_pages = max(sum(-(-c // PAGE) for c in ctx) for ctx in steps.values())
+    kv_caches = [
+        torch.empty(
+            num_pages, 2, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda"
+        ).normal_()
+        for _ in range(cfg.num_layers)
+    ]
+    rows = []
+    for step, contexts in steps.items():
+        for row in time_step(model, cfg, contexts, kv_caches):
+            rows.append({"step": step, **row})
+    if args.json_out:
+        args.json_out.write_text(json.dumps({**run_info(), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
