@@ -147,7 +147,7 @@ def run_layers(model, backend, halves, streams, kv_caches, ping_pong: bool) -> l
     return outs
 
 
-def capture(model, backend, halves, kv_caches, variant: str, pool):
+def capture(model, backend, halves, kv_caches, variant: str):
     main = torch.cuda.Stream()
     side = torch.cuda.Stream() if "streams" in variant or "ping-pong" in variant else main
     streams = [main] + [side] * (len(halves) - 1)
@@ -156,7 +156,7 @@ def capture(model, backend, halves, kv_caches, variant: str, pool):
     with torch.cuda.stream(main):
         run_layers(model, backend, halves, streams, kv_caches, ping_pong)  # warm-up
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=pool, stream=main):
+        with torch.cuda.graph(graph, stream=main):
             side.wait_stream(main)
             outs = run_layers(model, backend, halves, streams, kv_caches, ping_pong)
             main.wait_stream(side)
@@ -193,11 +193,10 @@ def time_step(model, cfg, contexts: list[int], kv_caches) -> list[dict]:
         for part in split
     ]
     backend = model.model.layers[0].self_attn.backend
-    rows, reference, pool = [], None, None
+    rows, reference = [], None
     for variant in VARIANTS:
         chains = [whole] if variant == "one batch" else halves
-        graph, outs = capture(model, backend, chains, kv_caches, variant, pool)
-        pool = pool or graph.pool()
+        graph, outs = capture(model, backend, chains, kv_caches, variant)
         graph.replay()
         torch.cuda.synchronize()
         out = outs[0] if len(outs) == 1 else torch.empty_like(reference)
@@ -214,7 +213,7 @@ def time_step(model, cfg, contexts: list[int], kv_caches) -> list[dict]:
         )
         print(row, flush=True)
         rows.append(row)
-        del graph
+        del graph, outs
     return rows
 
 
