@@ -178,7 +178,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, repeats: int = 30) -> float:
 
 
 @torch.inference_mode()
-def time_step(model, cfg, contexts: list[int], kv_caches) -> list[dict]:
+def time_step(model, cfg, contexts: list[int], kv_caches, variants: list[str]) -> list[dict]:
     counts = [-(-c // PAGE) for c in contexts]
     page_ids = torch.randperm(sum(counts)).tolist()
     pages, at = [], 0
@@ -194,7 +194,7 @@ def time_step(model, cfg, contexts: list[int], kv_caches) -> list[dict]:
     ]
     backend = model.model.layers[0].self_attn.backend
     rows, reference = [], None
-    for variant in VARIANTS:
+    for variant in variants:
         chains = [whole] if variant == "one batch" else halves
         graph, outs = capture(model, backend, chains, kv_caches, variant)
         graph.replay()
@@ -222,6 +222,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--steps", type=int, nargs="+", default=list(WORKLOAD_STEPS[:4]))
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="one batch first"
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
 
@@ -240,7 +243,7 @@ def main() -> None:
     ]
     rows = []
     for step, contexts in steps.items():
-        for row in time_step(model, cfg, contexts, kv_caches):
+        for row in time_step(model, cfg, contexts, kv_caches, args.variants):
             rows.append({"step": step, **row})
     if args.json_out:
         args.json_out.write_text(json.dumps({**run_info(), "rows": rows}, indent=2) + "\n")

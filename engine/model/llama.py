@@ -35,12 +35,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        prefetch: torch.Tensor | None = None,  # the next GEMM's weight (engine/kernels/norm.py)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual, (norm(residual + x), residual + x)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, prefetch)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
 
 
 # Up to this many rows (decode batches), CUDA bf16/fp16 projections take the skinny-GEMM
@@ -155,7 +158,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        down = self.down_proj
+        return down(silu_and_mul(self.gate_up_proj(x), prefetch=down.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -175,13 +179,20 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the stream before it): the next norm adds them."""
+        """(this layer's MLP output, the stream before it): the next norm adds them.
+
+        Each norm (and the MLP's activation) is handed the weight of the projection that
+        follows it, to fetch into L2 on the GPU while it runs: a decode batch's projections
+        wait on their weight's first bytes from DRAM otherwise (RESULTS.md)."""
+        qkv_weight = self.self_attn.qkv_proj.weight
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, prefetch=qkv_weight), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, prefetch=qkv_weight)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(
+            hidden, residual, prefetch=self.mlp.gate_up_proj.weight
+        )
         return self.mlp(hidden), residual
 
 
