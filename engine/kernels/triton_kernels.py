@@ -59,6 +59,7 @@ def _prefetch_args(weight: torch.Tensor | None, num_programs: int) -> dict:
     weight the bulk prefetch cannot take (strided, or not 16-byte aligned)."""
     if (
         weight is None
+        or num_programs < 64
         or not _pdl_options(weight.device)["PDL"]
         or not weight.is_contiguous()
         or weight.data_ptr() % 16
@@ -78,20 +79,21 @@ def _prefetch_args(weight: torch.Tensor | None, num_programs: int) -> dict:
 def _prefetch_to_l2(ptr, chunk_bytes, num_bytes, CHUNKS: tl.constexpr):
     # Called before _pdl_start: the weight does not depend on the kernel before, so its
     # fetch overlaps that kernel's end and this one's work, and the GEMM after this kernel
-    # reads it from L2 instead of waiting on DRAM. cp.async.bulk.prefetch hands each chunk
-    # to the copy engine and returns at once; chunks past the end (size <= 0) are skipped.
+    # reads it from L2 instead of waiting on DRAM. prefetch.global.L2 is a hint per 128-byte
+    # line that nothing waits for; lines past the end are skipped.
     program = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     start = (program * CHUNKS + tl.arange(0, CHUNKS)).to(tl.int64) * chunk_bytes
-    size = (tl.minimum(num_bytes - start, chunk_bytes) // 16 * 16).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0;"
-        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptr.to(tl.pointer_type(tl.int8)) + start, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    base = ptr.to(tl.pointer_type(tl.int8))
+    for line in range(0, chunk_bytes, 128):
+        offset = tl.minimum(start + line, num_bytes - 1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [base + offset],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit(do_not_specialize=["num_rows", "prefetch_chunk", "prefetch_bytes"])
