@@ -8,13 +8,12 @@ import torch.nn.functional as F
 from engine.kernels.dispatch import use_triton
 
 
-def silu_and_mul(gate_up: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., 2I] -> [..., I]: silu of the first half times the second half. prefetch: the
-    down projection's weight, fetched into L2 on sm_90+ (engine/kernels/norm.py's rms_norm)."""
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: silu of the first half times the second half."""
     if use_triton(gate_up):
         from engine.kernels import triton_kernels
 
-        return triton_kernels.silu_and_mul(gate_up, prefetch)
+        return triton_kernels.silu_and_mul(gate_up)
     return silu_and_mul_torch(gate_up)
 
 

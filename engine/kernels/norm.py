@@ -13,37 +13,27 @@ import torch
 from engine.kernels.dispatch import use_triton
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Normalize over the last dim of x [..., D] (any leading dims, e.g. per-head q/k norm).
-
-    prefetch: the weight of the GEMM that reads the result. On sm_90+ the kernel fetches it
-    into L2 as it starts, so that GEMM does not wait on DRAM for it; elsewhere ignored.
-    """
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize over the last dim of x [..., D] (any leading dims, e.g. per-head q/k norm)."""
     if use_triton(x):
         from engine.kernels import triton_kernels
 
-        return triton_kernels.rms_norm(x, weight, eps, prefetch)
+        return triton_kernels.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): the next sublayer's input and the new stream.
 
     Both are fresh tensors; neither input is modified. On CUDA one kernel reads x and
-    residual once and writes both results. prefetch as in rms_norm.
+    residual once and writes both results.
     """
     if use_triton(x):
         from engine.kernels import triton_kernels
 
-        return triton_kernels.fused_add_rms_norm(x, residual, weight, eps, prefetch)
+        return triton_kernels.fused_add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)
 
 

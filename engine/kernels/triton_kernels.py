@@ -48,55 +48,7 @@ def _pdl_start(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# Bulk L2 prefetches a program issues for the weight the next GEMM reads: one per thread
-# of the 4 warps the norms and SiLU-and-mul run with at these widths.
-PREFETCH_CHUNKS = tl.constexpr(128)
-
-
-def _prefetch_args(weight: torch.Tensor | None, num_programs: int) -> dict:
-    """A kernel's prefetch arguments: its programs fetch `weight` (the next GEMM's) into L2
-    between them, in chunks of chunk_bytes; none without a weight, off sm_90, or for a
-    weight the bulk prefetch cannot take (strided, or not 16-byte aligned)."""
-    if (
-        weight is None
-        or num_programs < 64
-        or not _pdl_options(weight.device)["PDL"]
-        or not weight.is_contiguous()
-        or weight.data_ptr() % 16
-    ):
-        return {"prefetch_ptr": None, "prefetch_chunk": 0, "prefetch_bytes": 0, "PREFETCH": False}
-    num_bytes = weight.numel() * weight.element_size()
-    chunk = triton.cdiv(triton.cdiv(num_bytes, num_programs * PREFETCH_CHUNKS.value), 16) * 16
-    return {
-        "prefetch_ptr": weight,
-        "prefetch_chunk": chunk,
-        "prefetch_bytes": num_bytes,
-        "PREFETCH": True,
-    }
-
-
-@triton.jit
-def _prefetch_to_l2(ptr, chunk_bytes, num_bytes, CHUNKS: tl.constexpr):
-    # Called before _pdl_start: the weight does not depend on the kernel before, so its
-    # fetch overlaps that kernel's end and this one's work, and the GEMM after this kernel
-    # reads it from L2 instead of waiting on DRAM. prefetch.global.L2 is a hint per 128-byte
-    # line that nothing waits for; lines past the end are skipped.
-    program = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-    start = (program * CHUNKS + tl.arange(0, CHUNKS)).to(tl.int64) * chunk_bytes
-    base = ptr.to(tl.pointer_type(tl.int8))
-    for line in range(0, chunk_bytes, 128):
-        offset = tl.minimum(start + line, num_bytes - 1)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [base + offset],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit(do_not_specialize=["num_rows", "prefetch_chunk", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     x_stride_outer,
@@ -111,17 +63,11 @@ def _rms_norm_kernel(
     rows_per_outer,
     dim,
     eps,
-    prefetch_ptr,
-    prefetch_chunk,
-    prefetch_bytes,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PREFETCH:
-        _prefetch_to_l2(prefetch_ptr, prefetch_chunk, prefetch_bytes, PREFETCH_CHUNKS)
     _pdl_start(PDL)
     # Row r of the flattened [..., D] input sits at (r // rows_per_outer, r % rows_per_outer)
     # of a [outer, inner, D] view: per-head norms read q/k heads in place, without a copy.
@@ -161,11 +107,7 @@ def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def _launch_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim = x.shape[-1]
     num_rows = x.numel() // dim
@@ -179,8 +121,7 @@ def _launch_rms_norm(
         res_rows, res_outer, res_inner, _ = _as_rows(residual)
     block_dim = triton.next_power_of_2(dim)
     block_rows = max(1, 1024 // block_dim)  # several short rows (a head each) per program
-    num_programs = triton.cdiv(num_rows, block_rows)
-    _rms_norm_kernel[(num_programs,)](
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x_rows,
         x_outer,
         x_inner,
@@ -194,7 +135,6 @@ def _launch_rms_norm(
         rows_per_outer,
         dim,
         eps,
-        **_prefetch_args(prefetch, num_programs),
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_DIM=block_dim,
@@ -204,37 +144,20 @@ def _launch_rms_norm(
     return out, res_out
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None
-) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps, prefetch)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_rms_norm(x, residual, weight, eps, prefetch)
+    return _launch_rms_norm(x, residual, weight, eps)
 
 
-@triton.jit(do_not_specialize=["prefetch_chunk", "prefetch_bytes"])
+@triton.jit
 def _silu_and_mul_kernel(
-    x_ptr,
-    x_row_stride,
-    out_ptr,
-    inter,
-    prefetch_ptr,
-    prefetch_chunk,
-    prefetch_bytes,
-    BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, x_row_stride, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    if PREFETCH:
-        _prefetch_to_l2(prefetch_ptr, prefetch_chunk, prefetch_bytes, PREFETCH_CHUNKS)
     _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -248,20 +171,18 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     x = gate_up.reshape(-1, gate_up.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(triton.next_power_of_2(inter), 1024)
-    grid = (x.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
         x,
         x.stride(0),
         out,
         inter,
-        **_prefetch_args(prefetch, grid[0] * grid[1]),
         BLOCK=block,
         num_warps=_num_warps(block),
         **_pdl_options(x.device),

@@ -35,15 +35,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        prefetch: torch.Tensor | None = None,  # the next GEMM's weight (engine/kernels/norm.py)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual, (norm(residual + x), residual + x)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, prefetch)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 # Up to this many rows (decode batches), CUDA bf16/fp16 projections take the skinny-GEMM
@@ -158,8 +155,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.down_proj
-        return down(silu_and_mul(self.gate_up_proj(x), prefetch=down.weight))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -179,20 +175,13 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the stream before it): the next norm adds them.
-
-        Each norm (and the MLP's activation) is handed the weight of the projection that
-        follows it, to fetch into L2 on the GPU while it runs: a decode batch's projections
-        wait on their weight's first bytes from DRAM otherwise (RESULTS.md)."""
-        qkv_weight = self.self_attn.qkv_proj.weight
+        """(this layer's MLP output, the stream before it): the next norm adds them."""
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden, prefetch=qkv_weight), hidden
+            hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, prefetch=qkv_weight)
+            hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(
-            hidden, residual, prefetch=self.mlp.gate_up_proj.weight
-        )
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
