@@ -5,8 +5,9 @@
 #
 #   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
 #
-# Steps (arguments, in any order): tests, kernels, overlap, host-costs, host-overhead, linear, attention,
-# attention-workload, bench, bench-base (bench on each engine benchmarks/gpu/ab_base.sh
+# Steps (arguments, in any order): tests, kernels, overlap, forward, forward-base (the
+# forward on each engine benchmarks/gpu/ab_base.sh staged), host-costs, host-overhead,
+# linear, attention, attention-workload, bench, bench-base (bench on each engine benchmarks/gpu/ab_base.sh
 # staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, cprofile-prefill,
@@ -50,6 +51,21 @@ for step in "$@"; do
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     overlap) python3 benchmarks/gpu_overlap.py --json-out "$OUT/gpu-overlap.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    # A decode step's forward alone, in its CUDA graph, at the workload's steps: repeats
+    # within ~0.3% on one machine, where a whole offline run spreads by several percent.
+    # forward-base times it on this tree and each staged engine in turn, twice (log only).
+    forward) python3 benchmarks/gpu_overlap.py --variants "one batch" --steps 50 300 600 850 950 \
+        --json-out "$OUT/gpu-forward.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    forward-base) failed=0
+      for round in 1 2; do
+        for tree in . .ab_base/*/; do
+          label=$( [ "$tree" = . ] && echo this || cat "$tree/COMMIT" )
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 benchmarks/gpu_overlap.py \
+            --variants "one batch" --steps 50 300 600 850 950) 2>&1 \
+            | sed "s|^|[$label] |" | tee -a "$OUT/log.txt" || failed=1
+        done
+      done
+      (exit $failed) ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     host-costs) python3 benchmarks/gpu_host_costs.py --json-out "$OUT/gpu-host-costs.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;
