@@ -23,6 +23,10 @@ steps (gpu_attention.py's WORKLOAD_STEPS contexts), in microseconds per step:
 
 The halves are balanced by context (sorted, dealt alternately), as the engine would.
 Each variant's output is checked against `one batch`'s.
+
+`--variants "one batch"` alone is the A/B for any change to the decode forward
+(`run.sh forward forward-base`): on one machine it repeats within ~0.3%, where whole
+offline runs spread by several percent.
 """
 
 from __future__ import annotations
