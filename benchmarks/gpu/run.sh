@@ -7,8 +7,8 @@
 #
 # Steps (arguments, in any order): tests, kernels, overlap, forward, forward-base (the
 # forward on each engine benchmarks/gpu/ab_base.sh staged), host-costs, host-overhead,
-# linear, attention, attention-workload, bench, bench-base (bench on each engine benchmarks/gpu/ab_base.sh
-# staged), bench-hf (adds transformers), bench-32k (32,768-token steps),
+# linear, attention, attention-workload, bench, bench-base (bench on each staged engine),
+# bench-hf (adds transformers), bench-32k (32,768-token steps),
 # bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, cprofile-prefill,
 # profile-run. flashinfer's JIT cache (and Triton's) lives in .ficache/ (git-ignored); it travels
@@ -21,6 +21,8 @@ LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--
 # Experiment patches to apply to this (throwaway) copy of the tree first, so that its
 # steps (the GPU tests above all) run the experiment: APPLY_PATCHES="benchmarks/gpu/patches/x.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
+# What forward and forward-base time: the decode forward alone at the workload's steps.
+FORWARD=(benchmarks/gpu_overlap.py --variants "one batch" --steps 50 300 600 850 950)
 cd "$(dirname "$0")/../.."
 for patch in $APPLY_PATCHES; do
   { git apply "$patch" 2>/dev/null || patch -p1 --forward < "$patch"; } || exit 1
@@ -54,14 +56,12 @@ for step in "$@"; do
     # A decode step's forward alone, in its CUDA graph, at the workload's steps: repeats
     # within ~0.3% on one machine, where a whole offline run spreads by several percent.
     # forward-base times it on this tree and each staged engine in turn, twice (log only).
-    forward) python3 benchmarks/gpu_overlap.py --variants "one batch" --steps 50 300 600 850 950 \
-        --json-out "$OUT/gpu-forward.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    forward) python3 "${FORWARD[@]}" --json-out "$OUT/gpu-forward.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     forward-base) failed=0
       for round in 1 2; do
         for tree in . .ab_base/*/; do
           label=$( [ "$tree" = . ] && echo this || cat "$tree/COMMIT" )
-          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 benchmarks/gpu_overlap.py \
-            --variants "one batch" --steps 50 300 600 850 950) 2>&1 \
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 "${FORWARD[@]}") 2>&1 \
             | sed "s|^|[$label] |" | tee -a "$OUT/log.txt" || failed=1
         done
       done
