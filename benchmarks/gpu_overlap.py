@@ -13,7 +13,10 @@ It times the real engine model (Qwen3-0.6B shape, random bf16 weights, 64-token 
 its whole forward captured in a CUDA graph per variant, at the workload's own decode
 steps (gpu_attention.py's WORKLOAD_STEPS contexts), in microseconds per step:
 
-- `one batch`: the engine's decode graph as it is (one chain, one decode plan);
+- `one batch`: the engine's decode graph as it is (one chain, one decode plan), its rows
+  longest context first as the scheduler lays them out;
+- `one batch, arrival order`: the same with the rows in the workload's order, as the
+  scheduler laid them out until it put the longest first;
 - `halves, one stream`: the two half-batches one after the other (what splitting costs);
 - `halves, two streams`: the halves as two independent chains (the GPU interleaves them
   as it likes);
@@ -21,7 +24,7 @@ steps (gpu_attention.py's WORKLOAD_STEPS contexts), in microseconds per step:
   other half's attention before it (layer l-1 for the first half, l for the second), so
   the attentions alternate and each runs beside the other half's GEMMs.
 
-The halves are balanced by context (sorted, dealt alternately), as the engine would.
+The halves are balanced by context (sorted, dealt alternately), each longest first.
 Each variant's output is checked against the first variant's (`one batch` by default).
 
 `--variants "one batch"` alone is the A/B for any change to the decode forward
@@ -46,12 +49,13 @@ from benchmarks.workload import run_info  # noqa: E402
 
 PAGE = 64
 WORKSPACE_BYTES = 128 * 2**20
-# variant -> (the batch in two halves, the halves on two streams, attentions alternating)
+# variant -> (its chains' rows, the chains on two streams, attentions alternating)
 VARIANTS = {
-    "one batch": (False, False, False),
-    "halves, one stream": (True, False, False),
-    "halves, two streams": (True, True, False),
-    "halves, ping-pong": (True, True, True),
+    "one batch": ("longest first", False, False),
+    "one batch, arrival order": ("arrival order", False, False),
+    "halves, one stream": ("halves", False, False),
+    "halves, two streams": ("halves", True, False),
+    "halves, ping-pong": ("halves", True, True),
 }
 
 
@@ -194,25 +198,27 @@ def time_step(model, cfg, contexts: list[int], kv_caches, variants: list[str]) -
     counts = [-(-c // PAGE) for c in contexts]
     # Pages shuffled over the pool, as a long-running engine's tables are.
     pages = [part.tolist() for part in torch.randperm(sum(counts)).split(counts)]
-    order = sorted(range(len(contexts)), key=contexts.__getitem__)
-    split = [order[0::2], order[1::2]]  # balanced halves: sorted, dealt alternately
-    whole = Chain(contexts, pages, cfg, kv_caches[0].dtype)
-    halves = [
-        Chain([contexts[i] for i in part], [pages[i] for i in part], cfg, kv_caches[0].dtype)
-        for part in split
-    ]
+    longest_first = sorted(range(len(contexts)), key=contexts.__getitem__, reverse=True)
+    parts = {  # each chain's sequences, by index into contexts, in its row order
+        "longest first": [longest_first],  # as the scheduler lays out a step
+        "arrival order": [list(range(len(contexts)))],
+        # balanced halves: sorted, dealt alternately
+        "halves": [longest_first[0::2], longest_first[1::2]],
+    }
     backend = model.model.layers[0].self_attn.backend
     rows, reference = [], None
     for variant in variants:
-        in_halves, two_streams, ping_pong = VARIANTS[variant]
-        chains = halves if in_halves else [whole]
+        order, two_streams, ping_pong = VARIANTS[variant]
+        chains = [
+            Chain([contexts[i] for i in part], [pages[i] for i in part], cfg, kv_caches[0].dtype)
+            for part in parts[order]
+        ]
         graph, outs = capture(model, backend, chains, kv_caches, two_streams, ping_pong)
         graph.replay()
         torch.cuda.synchronize()
-        out = outs[0]
-        if in_halves:  # back in batch order
-            out = outs[0].new_empty(len(contexts), outs[0].shape[1])
-            out[split[0]], out[split[1]] = outs
+        out = outs[0].new_empty(len(contexts), outs[0].shape[1])  # back in arrival order
+        for part, part_out in zip(parts[order], outs, strict=True):
+            out[part] = part_out
         if reference is None:
             reference = out.clone()
         row = dict(
@@ -224,7 +230,7 @@ def time_step(model, cfg, contexts: list[int], kv_caches, variants: list[str]) -
         )
         print(row, flush=True)
         rows.append(row)
-        del graph, outs
+        del graph, outs, chains
     return rows
 
 
