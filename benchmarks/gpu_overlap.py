@@ -13,10 +13,10 @@ It times the real engine model (Qwen3-0.6B shape, random bf16 weights, 64-token 
 its whole forward captured in a CUDA graph per variant, at the workload's own decode
 steps (gpu_attention.py's WORKLOAD_STEPS contexts), in microseconds per step:
 
-- `one batch`: the engine's decode graph as it is (one chain, one decode plan), its rows
-  longest context first as the scheduler lays them out;
-- `one batch, arrival order`: the same with the rows in the workload's order, as the
-  scheduler laid them out until it put the longest first;
+- `one batch`: the engine's decode graph as it is (one chain, one decode plan);
+- `one batch, longest first`: the same with the rows ordered longest context first, so
+  that the attention kernel starts the thread blocks of the longest sequences first (no
+  consistent gain: RESULTS.md);
 - `halves, one stream`: the two half-batches one after the other (what splitting costs);
 - `halves, two streams`: the halves as two independent chains (the GPU interleaves them
   as it likes);
@@ -51,8 +51,8 @@ PAGE = 64
 WORKSPACE_BYTES = 128 * 2**20
 # variant -> (its chains' rows, the chains on two streams, attentions alternating)
 VARIANTS = {
-    "one batch": ("longest first", False, False),
-    "one batch, arrival order": ("arrival order", False, False),
+    "one batch": ("arrival order", False, False),
+    "one batch, longest first": ("longest first", False, False),
     "halves, one stream": ("halves", False, False),
     "halves, two streams": ("halves", True, False),
     "halves, ping-pong": ("halves", True, True),
@@ -86,7 +86,9 @@ class Chain:
     engine's backend shares one among its wrappers, which two chains running at once must
     not (their split-KV partial results would collide)."""
 
-    def __init__(self, contexts: list[int], pages: list[list[int]], cfg, kv_dtype) -> None:
+    def __init__(
+        self, token_ids: list[int], contexts: list[int], pages: list[list[int]], cfg, kv_dtype
+    ) -> None:
         import flashinfer
 
         from engine.attention.base import AttentionMetadata
@@ -94,7 +96,7 @@ class Chain:
 
         n = len(contexts)
         dev = "cuda"
-        self.input_ids = torch.randint(0, 10000, (n,), device=dev)
+        self.input_ids = torch.tensor(token_ids, device=dev)
         self.positions = torch.tensor([c - 1 for c in contexts], device=dev)
         slots = [p[(c - 1) // PAGE] * PAGE + (c - 1) % PAGE for c, p in zip(contexts, pages)]
         self.meta = AttentionMetadata(
@@ -198,10 +200,13 @@ def time_step(model, cfg, contexts: list[int], kv_caches, variants: list[str]) -
     counts = [-(-c // PAGE) for c in contexts]
     # Pages shuffled over the pool, as a long-running engine's tables are.
     pages = [part.tolist() for part in torch.randperm(sum(counts)).split(counts)]
+    # One new token per sequence, whichever chain it runs in, so every variant's output
+    # can be compared with the first's.
+    token_ids = torch.randint(0, 10000, (len(contexts),)).tolist()
     longest_first = sorted(range(len(contexts)), key=contexts.__getitem__, reverse=True)
     parts = {  # each chain's sequences, by index into contexts, in its row order
-        "longest first": [longest_first],  # as the scheduler lays out a step
-        "arrival order": [list(range(len(contexts)))],
+        "arrival order": [list(range(len(contexts)))],  # as the scheduler lays out a step
+        "longest first": [longest_first],
         # balanced halves: sorted, dealt alternately
         "halves": [longest_first[0::2], longest_first[1::2]],
     }
@@ -210,7 +215,13 @@ def time_step(model, cfg, contexts: list[int], kv_caches, variants: list[str]) -
     for variant in variants:
         order, two_streams, ping_pong = VARIANTS[variant]
         chains = [
-            Chain([contexts[i] for i in part], [pages[i] for i in part], cfg, kv_caches[0].dtype)
+            Chain(
+                [token_ids[i] for i in part],
+                [contexts[i] for i in part],
+                [pages[i] for i in part],
+                cfg,
+                kv_caches[0].dtype,
+            )
             for part in parts[order]
         ]
         graph, outs = capture(model, backend, chains, kv_caches, two_streams, ping_pong)

@@ -8,10 +8,6 @@ Each step the scheduler picks, in this order, until the token budget
   3. waiting sequences (new or preempted), highest priority first, FCFS among equals,
      starting from their longest cached prefix.
 
-The step's rows are laid out decodes first, longest context first (then the rest). The
-GPU's attention kernel starts one thread block per (sequence, KV head) in row order, and
-starting the longest first keeps them from running on alone at the end of the step.
-
 A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
 latest-arrived running sequence not yet scheduled this step (preemption by
 recompute: its blocks are freed and it waits to be prefilled again). Every
@@ -118,8 +114,6 @@ class Scheduler:
             )
             scheduled.add(id(seq))
             budget -= n
-        # Priority decided who runs; the order they run in is free (see the docstring).
-        out.chunks.sort(key=lambda c: (c.num_tokens > 1, -c.end))
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
         while self.waiting and budget > 0 and not out.preempted:

@@ -6,7 +6,6 @@ publish full blocks, append a token when a chunk samples, finish at a target len
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from hypothesis import settings
@@ -125,38 +124,6 @@ def test_priority_then_fcfs():
         order.extend(c.seq for c in out.chunks if c.start == 0)
         fake_step(sched, out)
     assert order == [high1, high2, low]
-
-
-def test_decode_rows_longest_context_first_after_priority_picks_them():
-    sched = new_scheduler(num_blocks=64, max_seqs=8, budget=64)
-    short_high = make_seq(list(range(3)), 50, priority=5)
-    long_low = make_seq(list(range(10, 30)), 50, priority=0)
-    mid_high = make_seq(list(range(40, 50)), 50, priority=5)
-    for s in (short_high, long_low, mid_high):
-        sched.add(s)
-    fake_step(sched, sched.schedule())  # all three prefilled in one step
-    out = sched.schedule()
-    assert [(c.seq, c.num_tokens) for c in out.chunks] == [
-        (long_low, 1),
-        (mid_high, 1),
-        (short_high, 1),
-    ]
-    fake_step(sched, out)
-    # With room for two decodes, priority picks who runs; length still orders the rows.
-    sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=2)
-    out = sched.schedule()
-    assert [c.seq for c in out.chunks] == [mid_high, short_high]
-
-
-def test_decodes_lead_the_rows_of_a_mixed_step():
-    sched = new_scheduler(budget=64)
-    decoding = make_seq(list(range(4)), 50)
-    sched.add(decoding)
-    fake_step(sched, sched.schedule())
-    prompt = make_seq(list(range(100, 140)), 2)
-    sched.add(prompt)
-    out = sched.schedule()
-    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(decoding, 1), (prompt, 40)]
 
 
 def test_preemption_under_kv_pressure_then_everyone_finishes():
