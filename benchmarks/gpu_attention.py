@@ -23,10 +23,12 @@ the tensor-core path (1.5-1.9 TB/s; results/h200-attention-8b04cba.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workload import run_info  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
-SHAPES = ((256, 700), (200, 1000), (128, 1300), (32, 1500))  # (sequences, context tokens)
+SHAPES = (
+    (256, 700),
+    (200, 1000),
+    (128, 1300),
+    (32, 1500),
+    (8, 1000),
+    (1, 300),
+)  # (sequences, context tokens)
 # Decode steps of the offline workload itself (gpu_bench's nano-vllm workload, every prompt
 # prefilled at once): after `step` decode steps the sequences still running have contexts
 # of prompt + step tokens, from ~100 to ~2000. Lengths this uneven leave a kernel's longest
@@ -73,12 +82,45 @@ VARIANTS = (
     ("tensor-core, HND", 64),
     ("cuda-core", 64),
     ("cuda-core, HND", 64),
+    # The CUDA-core kernel with its KV cut into equal chunks by the engine's own plan
+    # (BalancedDecodeSplit): about 1, 2 or 4 waves of thread blocks' worth of chunks.
+    ("cuda-core, balanced x1", 64),
+    ("cuda-core, balanced x2", 64),
+    ("cuda-core, balanced x4", 64),
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
     "tensor-core, 128-token splits": {"fixed_split_size": 8},  # in 16-token pages
     "tensor-core, 512-token splits": {"fixed_split_size": 32},
 }
+
+
+def one_wave_items(page_size: int) -> int:
+    """Thread blocks per KV head in one wave of the CUDA-core decode kernel: the items
+    flashinfer's planner gives a one-sequence batch under a CUDA graph."""
+    import flashinfer
+
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda"),
+        "NHD",
+        use_cuda_graph=True,
+        paged_kv_indptr_buffer=one.cuda(),
+        paged_kv_indices_buffer=one[:1].cuda(),
+        paged_kv_last_page_len_buffer=one[1:].cuda(),
+    )
+    wrapper.plan(
+        one,
+        one[:1].cuda(),
+        one[1:],
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    return wrapper._plan_info[0]
 
 
 def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, page_size: int, out):
@@ -114,19 +156,28 @@ def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, pag
         paged_kv_last_page_len_buffer=last_page_len.cuda(),
         **extra,
     )
-    wrapper.plan(
-        indptr,
-        indices,
-        last_page_len,
-        NUM_HEADS,
-        NUM_KV_HEADS,
-        HEAD_DIM,
-        page_size,
+    plan = functools.partial(
+        wrapper.plan,
+        num_qo_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=page_size,
         sm_scale=scale,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
-        **SPLIT_OPTIONS.get(variant, {}),
     )
+    plan(indptr, indices, last_page_len, **SPLIT_OPTIONS.get(variant, {}))
+    if ", balanced x" in variant:
+        from engine.attention.flashinfer_backend import BalancedDecodeSplit
+
+        wave = one_wave_items(page_size)
+        split = BalancedDecodeSplit(
+            len(contexts), int(variant.rsplit("x", 1)[1]) * wave, page_size, NUM_HEADS, HEAD_DIM
+        )
+        wrapper._plan_info = split.plan_info
+        schedule = split.schedule(np.asarray(contexts, dtype=np.int32))
+        wrapper._int_workspace_buffer[: split.int_bytes].copy_(torch.from_numpy(schedule))
+        print(f"{variant}: wave {wave} items, chunk {split.chunk_tokens(np.asarray(contexts))}")
     return lambda: wrapper.run(q, cache, out=out)
 
 
@@ -174,7 +225,9 @@ def main() -> None:
     p.add_argument(
         "--workload-only", action="store_true", help="only the workload's own steps, as given"
     )
+    p.add_argument("--variants", nargs="+", help="only these variants (by name)")
     args = p.parse_args()
+    chosen = [(v, size) for v, size in VARIANTS if not args.variants or v in args.variants]
     shapes = {f"workload step {step}": workload_contexts(step) for step in WORKLOAD_STEPS}
     if not args.workload_only:
         shapes |= {f"{batch} x {context}": [context] * batch for batch, context in SHAPES}
@@ -187,8 +240,8 @@ def main() -> None:
         }
     rows = []
     for name, contexts in shapes.items():
-        for page_size in sorted({size for _, size in VARIANTS}):
-            variants = [variant for variant, size in VARIANTS if size == page_size]
+        for page_size in sorted({size for _, size in chosen}):
+            variants = [variant for variant, size in chosen if size == page_size]
             rows += time_shape(name, contexts, page_size, variants)
     if args.json_out:
         args.json_out.write_text(json.dumps({**run_info(), "rows": rows}, indent=2) + "\n")

@@ -122,6 +122,92 @@ def split_step(
     )
 
 
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // 16) * 16
+
+
+class BalancedDecodeSplit:
+    """The work split of flashinfer's CUDA-core batch decode under a CUDA graph, chosen here.
+
+    The kernel runs one thread block per (work item, KV head); an item is one chunk of one
+    sequence's KV, and a merge kernel then combines each sequence's chunks. flashinfer's own
+    planner, under a CUDA graph, fixes the item count at one wave of thread blocks, so at a
+    large batch it cannot split at all: every sequence is one item, the short ones finish
+    early and the longest run on alone. This split instead cuts every sequence into chunks
+    of one length, picked per step so that the step has about `target_items` chunks beyond
+    its one per sequence: items of near-equal size that the GPU deals out as blocks free up.
+
+    Its plan goes where flashinfer's would: a plan-info vector (what run() launches: the
+    item capacity, fixed at capture) and the arrays in the wrapper's int workspace that
+    the kernels read, which schedule() builds on the host for each step.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        target_items: int,
+        page_size: int,
+        num_qo_heads: int,
+        head_dim: int,
+        min_chunk: int = 128,
+    ):
+        self.batch_size = batch_size
+        self.target_items = target_items
+        self.page_size = page_size
+        self.min_chunk = min_chunk
+        # sum(ceil(len / chunk)) <= sum(len) / chunk + batch <= target_items + batch
+        self.capacity = capacity = batch_size + target_items
+        self._request_at = 0
+        self._tile_at = _aligned(capacity * 4)
+        self._o_indptr_at = self._tile_at + _aligned(capacity * 4)
+        self._chunk_at = self._o_indptr_at + _aligned((batch_size + 1) * 4)
+        self._valid_at = self._chunk_at + 16
+        self.int_bytes = self._valid_at + _aligned(capacity)
+        # Partial outputs (2-byte, per item and query head) and their log-sum-exps.
+        lse_at = _aligned(capacity * num_qo_heads * head_dim * 2)
+        self.float_bytes = lse_at + capacity * num_qo_heads * 4
+        # flashinfer's DecodePlanInfo: padded batch size, float offsets (partial outputs,
+        # lse), int offsets (request, chunk index, output indptr, valid mask, chunk length),
+        # CUDA graph, split.
+        self.plan_info = [
+            capacity,
+            0,
+            lse_at,
+            self._request_at,
+            self._tile_at,
+            self._o_indptr_at,
+            self._valid_at,
+            self._chunk_at,
+            1,
+            1,
+        ]
+
+    def chunk_tokens(self, seq_lens: np.ndarray) -> int:
+        """The step's chunk length: whole pages, at least min_chunk tokens."""
+        chunk = -(-int(seq_lens.sum()) // self.target_items)
+        chunk = max(chunk, self.min_chunk)
+        return -(-chunk // self.page_size) * self.page_size
+
+    def schedule(self, seq_lens: np.ndarray) -> np.ndarray:
+        """The int workspace's bytes [0, int_bytes) for one step of batch_size sequences."""
+        assert len(seq_lens) == self.batch_size, (len(seq_lens), self.batch_size)
+        chunk = self.chunk_tokens(seq_lens)
+        chunks = (np.maximum(seq_lens, 1) + chunk - 1) // chunk
+        o_indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
+        np.cumsum(chunks, out=o_indptr[1:])
+        num_items = int(o_indptr[-1])
+        assert num_items <= self.capacity, (num_items, self.capacity)
+        plan = np.zeros(self.int_bytes, dtype=np.uint8)
+        request = plan[self._request_at : self._tile_at].view(np.int32)
+        request[:num_items] = np.repeat(np.arange(self.batch_size, dtype=np.int32), chunks)
+        tile = plan[self._tile_at : self._o_indptr_at].view(np.int32)
+        tile[:num_items] = np.arange(num_items, dtype=np.int32) - np.repeat(o_indptr[:-1], chunks)
+        plan[self._o_indptr_at : self._chunk_at].view(np.int32)[: len(o_indptr)] = o_indptr
+        plan[self._chunk_at : self._chunk_at + 4].view(np.int32)[0] = chunk
+        plan[self._valid_at : self._valid_at + num_items] = 1
+        return plan
+
+
 class FlashInferAttention:
     """The AttentionBackend for CUDA. Build it, load the model with it, then configure()."""
 
