@@ -87,6 +87,12 @@ VARIANTS = (
     ("cuda-core, balanced x1", 64),
     ("cuda-core, balanced x2", 64),
     ("cuda-core, balanced x4", 64),
+    # engine/kernels/decode_attention.py (Triton), its items about 1, 2 or 4 per SM and KV
+    # head; "s4": four pipeline stages instead of three.
+    ("triton x1", 64),
+    ("triton x2", 64),
+    ("triton x4", 64),
+    ("triton x2 s4", 64),
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
@@ -123,6 +129,32 @@ def one_wave_items(page_size: int) -> int:
     return wrapper._plan_info[0]
 
 
+def triton_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, out):
+    from engine.kernels.decode_attention import (
+        DecodeWorkspace,
+        decode_split,
+        paged_decode_attention,
+    )
+
+    per_sm = int(variant.split()[1][1:])
+    target = per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    lens = np.asarray(contexts, dtype=np.int32)
+    split = decode_split(lens, target, cache.shape[2])
+    work = DecodeWorkspace.allocate(
+        len(contexts), len(contexts) + target, NUM_HEADS, HEAD_DIM, "cuda"
+    )
+    work.load(split)
+    counts = [len(p) for p in pages]
+    indptr = torch.tensor(np.cumsum([0] + counts), dtype=torch.int32, device="cuda")
+    indices = torch.cat(pages)
+    seq_lens = torch.from_numpy(lens).cuda()
+    stages = 4 if variant.endswith("s4") else 3
+    print(f"{variant}: chunk {split.chunk_tokens}, {len(split.item_seq)} items")
+    return lambda: paged_decode_attention(
+        q, cache, indptr, indices, seq_lens, work, HEAD_DIM**-0.5, out=out, num_stages=stages
+    )
+
+
 def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, page_size: int, out):
     """One layer's decode as a no-argument call, its plan (if any) done here."""
     import flashinfer
@@ -137,6 +169,8 @@ def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, pag
         return lambda: xqa_batch_decode_with_kv_cache(
             q, cache, workspace, table, seq_lens, max(contexts), bmm1_scale=scale, out=out
         )
+    if variant.startswith("triton"):
+        return triton_call(variant, q, cache, pages, contexts, out)
     indices = torch.cat(pages)
     counts = torch.tensor([len(p) for p in pages], dtype=torch.int32)
     indptr = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
