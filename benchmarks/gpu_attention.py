@@ -87,12 +87,17 @@ VARIANTS = (
     ("cuda-core, balanced x1", 64),
     ("cuda-core, balanced x2", 64),
     ("cuda-core, balanced x4", 64),
-    # engine/kernels/decode_attention.py (Triton), its items about 1, 2 or 4 per SM and KV
-    # head; "s4": four pipeline stages instead of three.
-    ("triton x1", 64),
+    # engine/kernels/decode_attention.py (Triton): items per SM (per KV head), then
+    # optionally tokens per loop step, warps and pipeline stages (triton_call).
     ("triton x2", 64),
-    ("triton x4", 64),
-    ("triton x2 s4", 64),
+    ("triton x1", 64),
+    ("triton x2 n128", 64),
+    ("triton x2 w8", 64),
+    ("triton x2 n128 w8", 64),
+    ("triton x2 s2", 64),
+    ("triton x2 n128 s2", 64),
+    ("triton x4 n128 w8", 64),
+    ("triton x2 n32", 64),
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
@@ -136,7 +141,9 @@ def triton_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, out
         paged_decode_attention,
     )
 
-    per_sm = int(variant.split()[1][1:])
+    # "triton x<items per SM> [n<tokens per loop step>] [w<warps>] [s<stages>]"
+    options = {word[0]: int(word[1:]) for word in variant.split()[1:]}
+    per_sm = options["x"]
     target = per_sm * torch.cuda.get_device_properties(0).multi_processor_count
     lens = np.asarray(contexts, dtype=np.int32)
     split = decode_split(lens, target, cache.shape[2])
@@ -148,10 +155,19 @@ def triton_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, out
     indptr = torch.tensor(np.cumsum([0] + counts), dtype=torch.int32, device="cuda")
     indices = torch.cat(pages)
     seq_lens = torch.from_numpy(lens).cuda()
-    stages = 4 if variant.endswith("s4") else 3
     print(f"{variant}: chunk {split.chunk_tokens}, {len(split.item_seq)} items")
     return lambda: paged_decode_attention(
-        q, cache, indptr, indices, seq_lens, work, HEAD_DIM**-0.5, out=out, num_stages=stages
+        q,
+        cache,
+        indptr,
+        indices,
+        seq_lens,
+        work,
+        HEAD_DIM**-0.5,
+        out=out,
+        block_n=options.get("n", 64),
+        num_warps=options.get("w", 4),
+        num_stages=options.get("s", 3),
     )
 
 

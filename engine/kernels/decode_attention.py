@@ -80,6 +80,7 @@ def _decode_chunk_kernel(
     GROUP_ROWS: tl.constexpr,  # GROUP padded to a tensor-core tile
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per step of the loop, over one or more pages
     PDL: tl.constexpr,
 ):
     if PDL:  # wait for the K/V just written; let the merge launch only after this kernel
@@ -105,17 +106,18 @@ def _decode_chunk_kernel(
         other=0.0,
     )
 
-    offs = tl.arange(0, PAGE)
+    offs = tl.arange(0, BLOCK_N)
     m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
-    for page in range(start // PAGE, tl.cdiv(end, PAGE)):
-        block = tl.load(kv_indices_ptr + first_block + page).to(tl.int64)
-        tok_ok = page * PAGE + offs < end
+    for first in range(start, end, BLOCK_N):
+        toks = first + offs
+        tok_ok = toks < end
+        blocks = tl.load(kv_indices_ptr + first_block + toks // PAGE, mask=tok_ok, other=0)
         k_at = (
             kv_ptr
-            + block * kv_stride_block
-            + offs[:, None] * kv_stride_tok
+            + blocks.to(tl.int64)[:, None] * kv_stride_block
+            + (toks % PAGE)[:, None] * kv_stride_tok
             + kv_head * kv_stride_head
             + dims[None, :]
         )
@@ -223,6 +225,7 @@ def paged_decode_attention(
     work: DecodeWorkspace,
     scale: float,
     out: torch.Tensor | None = None,
+    block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
@@ -257,6 +260,7 @@ def paged_decode_attention(
         GROUP_ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         PAGE=page,
+        BLOCK_N=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
