@@ -23,7 +23,6 @@ the tensor-core path (1.5-1.9 TB/s; results/h200-attention-8b04cba.json).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -82,22 +81,9 @@ VARIANTS = (
     ("tensor-core, HND", 64),
     ("cuda-core", 64),
     ("cuda-core, HND", 64),
-    # The CUDA-core kernel with its KV cut into equal chunks by the engine's own plan
-    # (BalancedDecodeSplit): about 1, 2 or 4 waves of thread blocks' worth of chunks.
-    ("cuda-core, balanced x1", 64),
-    ("cuda-core, balanced x2", 64),
-    ("cuda-core, balanced x4", 64),
-    # engine/kernels/decode_attention.py (Triton): items per SM (per KV head), then
-    # optionally tokens per loop step, warps and pipeline stages (triton_call).
-    ("triton x2", 64),
-    ("triton x1", 64),
-    ("triton x2 n128", 64),
-    ("triton x2 w8", 64),
-    ("triton x2 n128 w8", 64),
-    ("triton x2 s2", 64),
-    ("triton x2 n128 s2", 64),
-    ("triton x4 n128 w8", 64),
-    ("triton x2 n32", 64),
+    # engine/kernels/decode_attention.py, the CUDA-graph decode's kernel (triton_call).
+    ("triton", 64),
+    ("triton", 16),
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
@@ -106,69 +92,26 @@ SPLIT_OPTIONS = {  # variant -> extra plan() arguments
 }
 
 
-def one_wave_items(page_size: int) -> int:
-    """Thread blocks per KV head in one wave of the CUDA-core decode kernel: the items
-    flashinfer's planner gives a one-sequence batch under a CUDA graph."""
-    import flashinfer
-
-    one = torch.tensor([0, 1], dtype=torch.int32)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(128 * 2**20, dtype=torch.uint8, device="cuda"),
-        "NHD",
-        use_cuda_graph=True,
-        paged_kv_indptr_buffer=one.cuda(),
-        paged_kv_indices_buffer=one[:1].cuda(),
-        paged_kv_last_page_len_buffer=one[1:].cuda(),
-    )
-    wrapper.plan(
-        one,
-        one[:1].cuda(),
-        one[1:],
-        NUM_HEADS,
-        NUM_KV_HEADS,
-        HEAD_DIM,
-        page_size,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-    )
-    return wrapper._plan_info[0]
-
-
 def triton_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, out):
+    """engine/kernels/decode_attention.py as the engine configures it ("triton"), or with
+    "triton x<chunks per SM> n<tokens per loop step> s<pipeline stages>"."""
     from engine.kernels.decode_attention import (
+        DecodeConfig,
         DecodeWorkspace,
-        decode_split,
         paged_decode_attention,
     )
 
-    # "triton x<items per SM> [n<tokens per loop step>] [w<warps>] [s<stages>]"
     options = {word[0]: int(word[1:]) for word in variant.split()[1:]}
-    per_sm = options["x"]
-    target = per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    config = DecodeConfig(options["x"], options["n"], options["s"]) if options else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    work = DecodeWorkspace(len(contexts), NUM_HEADS, HEAD_DIM, sms, "cuda", config)
     lens = np.asarray(contexts, dtype=np.int32)
-    split = decode_split(lens, target, cache.shape[2])
-    work = DecodeWorkspace.allocate(
-        len(contexts), len(contexts) + target, NUM_HEADS, HEAD_DIM, "cuda"
-    )
-    work.load(split)
-    counts = [len(p) for p in pages]
-    indptr = torch.tensor(np.cumsum([0] + counts), dtype=torch.int32, device="cuda")
+    indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+    np.cumsum([len(p) for p in pages], out=indptr[1:])
+    work.plan.copy_(torch.from_numpy(work.host_plan(lens, indptr)))
     indices = torch.cat(pages)
-    seq_lens = torch.from_numpy(lens).cuda()
-    print(f"{variant}: chunk {split.chunk_tokens}, {len(split.item_seq)} items")
-    return lambda: paged_decode_attention(
-        q,
-        cache,
-        indptr,
-        indices,
-        seq_lens,
-        work,
-        HEAD_DIM**-0.5,
-        out=out,
-        block_n=options.get("n", 64),
-        num_warps=options.get("w", 4),
-        num_stages=options.get("s", 3),
-    )
+    print(f"{variant}: {work.config}, chunk {work.split[1].item()}, {work.split[0].item()} items")
+    return lambda: paged_decode_attention(q, cache, indices, work, HEAD_DIM**-0.5, out=out)
 
 
 def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, page_size: int, out):
@@ -206,28 +149,19 @@ def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, pag
         paged_kv_last_page_len_buffer=last_page_len.cuda(),
         **extra,
     )
-    plan = functools.partial(
-        wrapper.plan,
-        num_qo_heads=NUM_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        page_size=page_size,
+    wrapper.plan(
+        indptr,
+        indices,
+        last_page_len,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        page_size,
         sm_scale=scale,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
+        **SPLIT_OPTIONS.get(variant, {}),
     )
-    plan(indptr, indices, last_page_len, **SPLIT_OPTIONS.get(variant, {}))
-    if ", balanced x" in variant:
-        from engine.attention.flashinfer_backend import BalancedDecodeSplit
-
-        wave = one_wave_items(page_size)
-        split = BalancedDecodeSplit(
-            len(contexts), int(variant.rsplit("x", 1)[1]) * wave, page_size, NUM_HEADS, HEAD_DIM
-        )
-        wrapper._plan_info = split.plan_info
-        schedule = split.schedule(np.asarray(contexts, dtype=np.int32))
-        wrapper._int_workspace_buffer[: split.int_bytes].copy_(torch.from_numpy(schedule))
-        print(f"{variant}: wave {wave} items, chunk {split.chunk_tokens(np.asarray(contexts))}")
     return lambda: wrapper.run(q, cache, out=out)
 
 

@@ -18,8 +18,8 @@ expect. Each case below is timed on the host (perf_counter around the calls only
   head's (256 rows x 1,024 -> 151,936), with the same row count every call, then a new row
   count every call (as the decode batch shrinks step by step; cuBLAS picks a kernel per new
   shape), on each of torch's two BLAS back ends (cuBLAS, cuBLASLt; the default first).
-- planning a CUDA-graph decode step of 256 sequences on the engine's flashinfer backend:
-  the wrapper's own plan() (a graph's capture) against the replan of every later replay.
+- planning a CUDA-graph decode step of 256 sequences on the engine's backend (page table,
+  KV split, copies; FlashInferAttention.plan_graph).
 """
 
 from __future__ import annotations
@@ -140,42 +140,33 @@ def time_linear(name: str, m: int, k: int, n: int, first_new: int) -> list[dict]
 
 def time_decode_plans() -> list[dict]:
     """The host cost of planning a CUDA-graph decode step of the workload's 256 sequences
-    (their contexts after 50 decode steps), on the engine's backend: the wrapper's own
-    plan(), which a graph's capture runs, against the replan every later replay runs."""
+    (their contexts after 50 decode steps) on the engine's backend: page table, KV split
+    and their copies (FlashInferAttention.plan_graph)."""
     from benchmarks.gpu_bench import NANO_VLLM_WORKLOAD
     from benchmarks.workload import make_workload
     from engine.attention.flashinfer_backend import FlashInferAttention
 
     lens = [len(prompt) + 50 for prompt in make_workload(NANO_VLLM_WORKLOAD).prompts]
-    batch, block_size = len(lens), 16
+    batch, block_size = len(lens), 64
     pages = [-(-n // block_size) for n in lens]
     starts = list(itertools.accumulate(pages, initial=0))
     tables = [list(range(start, start + n)) for start, n in zip(starts[:-1], pages, strict=True)]
     attn = FlashInferAttention(torch.device("cuda"))
     attn.configure(16, 8, 128, torch.bfloat16)  # the Qwen3-0.6B shape's heads
-    attn.add_graph_batch_size(
-        batch,
-        torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
-        torch.zeros(sum(pages), dtype=torch.int32, device="cuda"),
-        torch.zeros(batch, dtype=torch.int32, device="cuda"),
-    )
+    attn.add_graph_batch_size(batch, torch.zeros(sum(pages), dtype=torch.int32, device="cuda"))
 
-    def full_plan(i: int) -> None:
-        attn._graph_planned.clear()  # as if not captured yet: the wrapper's plan()
+    def plan(i: int) -> None:
         attn.plan_graph(lens, tables, block_size)
 
-    cases = {
-        "graph decode plan, 256 seqs: the wrapper's plan()": full_plan,
-        "graph decode plan, 256 seqs: replan after the capture": (
-            lambda i: attn.plan_graph(lens, tables, block_size)
-        ),
-    }
-    rows = []
-    for name, call in cases.items():
-        call(0)  # the first plan of a kind loads flashinfer's module for it
-        us = host_us_per_call(call, CALLS)
-        rows.append({"case": name, "pages": sum(pages), "host_us_per_call": round(us, 1)})
-    return rows
+    plan(0)
+    us = host_us_per_call(plan, CALLS)
+    return [
+        {
+            "case": "graph decode plan, 256 seqs (64-token blocks)",
+            "pages": sum(pages),
+            "host_us_per_call": round(us, 1),
+        }
+    ]
 
 
 def main() -> None:

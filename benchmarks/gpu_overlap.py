@@ -48,7 +48,6 @@ from benchmarks.gpu_bench import SHAPES, write_random_model  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
 
 PAGE = 64
-WORKSPACE_BYTES = 128 * 2**20
 # variant -> (its chains' rows, the chains on two streams, attentions alternating)
 VARIANTS = {
     "one batch": ("arrival order", False, False),
@@ -60,21 +59,21 @@ VARIANTS = {
 
 
 class SwitchBackend:
-    """An attention backend whose decode wrapper (and the events around it) the capture
-    sets before each chain's layer: the captured kernels keep whatever was set."""
+    """An attention backend whose decode (and the events around it) the capture sets
+    before each chain's layer: the captured kernels keep whatever was set."""
 
     def __init__(self) -> None:
-        self.wrapper = None
+        self.attn = None  # the chain's engine backend, planned for its graph decode
         self.wait_for: torch.cuda.Event | None = None
         self.done: torch.cuda.Event | None = None
 
-    def plan(self, meta) -> None:  # planned outside, per wrapper
+    def plan(self, meta) -> None:  # planned outside, per chain
         pass
 
     def forward(self, q, kv_cache, meta, scale):
         if self.wait_for is not None:
             torch.cuda.current_stream().wait_event(self.wait_for)
-        out = self.wrapper.run(q, kv_cache)
+        out = self.attn.forward(q, kv_cache, meta, scale)
         if self.done is not None:
             self.done.record()
         return out
@@ -82,17 +81,15 @@ class SwitchBackend:
 
 class Chain:
     """One chain's static inputs (the whole batch or a half): token ids, positions, KV
-    slots, and its planned decode wrapper. Each chain has its own float workspace: the
-    engine's backend shares one among its wrappers, which two chains running at once must
-    not (their split-KV partial results would collide)."""
+    slots, and an engine attention backend planned for its CUDA-graph decode. Each chain
+    has its own backend, so two chains running at once keep their split-KV partial results
+    apart."""
 
     def __init__(
         self, token_ids: list[int], contexts: list[int], pages: list[list[int]], cfg, kv_dtype
     ) -> None:
-        import flashinfer
-
         from engine.attention.base import AttentionMetadata
-        from engine.attention.flashinfer_backend import decode_uses_tensor_cores, page_table
+        from engine.attention.flashinfer_backend import FlashInferAttention
 
         n = len(contexts)
         dev = "cuda"
@@ -108,32 +105,11 @@ class Chain:
             seq_lens_cpu=contexts,
             block_size=PAGE,
         )
-        table = page_table(contexts, pages, PAGE)
-        indptr = torch.from_numpy(table.indptr)
-        indices = torch.from_numpy(table.indices).cuda()
-        last = torch.from_numpy(table.last_page_len)
-        group = cfg.num_heads // cfg.num_kv_heads
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=decode_uses_tensor_cores(n, group),
-            paged_kv_indptr_buffer=indptr.cuda(),
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last.cuda(),
-        )
-        self.wrapper.plan(
-            indptr,
-            indices,
-            last,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            PAGE,
-            sm_scale=cfg.head_dim**-0.5,
-            q_data_type=kv_dtype,
-            kv_data_type=kv_dtype,
-        )
+        self.attn = FlashInferAttention(torch.device(dev))
+        self.attn.configure(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        num_pages = sum(map(len, pages))
+        self.attn.add_graph_batch_size(n, torch.zeros(num_pages, dtype=torch.int32, device=dev))
+        self.attn.plan_graph(contexts, pages, PAGE)
 
 
 def run_layers(model, backend, chains, streams, kv_caches, ping_pong: bool) -> list:
@@ -152,7 +128,7 @@ def run_layers(model, backend, chains, streams, kv_caches, ping_pong: bool) -> l
     for layer, kv in zip(inner.layers, kv_caches, strict=True):
         for i, (chain, stream) in enumerate(zip(chains, streams)):
             with torch.cuda.stream(stream):
-                backend.wrapper = chain.wrapper
+                backend.attn = chain.attn
                 backend.wait_for = done_prev if ping_pong else None
                 backend.done = torch.cuda.Event() if ping_pong else None
                 cos, sin = cos_sin[i]

@@ -5,8 +5,9 @@ not the GPU, sets the pace. So once the KV pool exists, the whole model forward 
 captured for each bucket size (largest first, every graph in one shared memory pool) over
 static buffers (GraphBuffers). A step of n decodes is padded to the smallest bucket
 b >= n (DecodeInputs.padded, batch_size_for), its uploaded inputs are copied into the
-first b columns of the static buffer, attention is planned for b sequences (flashinfer's
-plan is host code: it runs before the replay, outside the graph) and the graph replays.
+first b columns of the static buffer, attention is planned for b sequences (host code:
+it runs before the replay, outside the graph, and copies the step's page table and KV
+split into the buffers the captured decode kernels read) and the graph replays.
 
 Rows n..b are padding: token 0 at position 0, KV written nowhere (slot -1), attending to
 a one-token dummy page (block 0, whatever it holds); their outputs are dropped.
@@ -30,10 +31,9 @@ MAX_GRAPH_BATCH = 512
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 _BUCKETS += tuple(range(160, 257, 32)) + tuple(range(320, MAX_GRAPH_BATCH + 1, 64))
 DUMMY_BLOCK = 0  # the page padding rows attend to
-# Device memory the graphs hold beyond the KV pool, kept free when the pool is sized:
-# flashinfer gives each CUDA-graph decode wrapper its own 8 MiB int workspace, and the
-# shared pool holds the activations of the largest bucket's forward.
-_WRAPPER_BYTES = 8 * 2**20
+# Device memory the graphs hold beyond the KV pool, kept free when the pool is sized: the
+# attention backend's workspace for each batch size (graph_workspace_bytes), and the shared
+# pool, which holds the activations of the largest bucket's forward.
 _POOL_BYTES = 256 * 2**20
 
 
@@ -44,8 +44,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in _BUCKETS if b < cap] + [cap]
 
 
-def graph_memory_reserve(batch_sizes: list[int]) -> int:
-    return len(batch_sizes) * _WRAPPER_BYTES + _POOL_BYTES
+def graph_memory_reserve(batch_sizes: list[int], attn: FlashInferAttention) -> int:
+    return attn.graph_workspace_bytes(batch_sizes) + _POOL_BYTES
 
 
 @dataclass
@@ -76,10 +76,8 @@ class GraphBuffers:
     refills the inputs and page tables first."""
 
     token_inputs: torch.Tensor  # int64 [3, max_batch]: token ids, positions, KV slots
-    # flashinfer's page tables, filled by FlashInferAttention.plan_graph()
-    kv_indptr: torch.Tensor  # int32 [max_batch + 1]
+    # the step's page indices, filled by FlashInferAttention.plan_graph()
     kv_indices: torch.Tensor  # int32 [max_batch * max_blocks_per_seq]
-    kv_last_page_len: torch.Tensor  # int32 [max_batch]
     hidden: torch.Tensor  # [max_batch, hidden_size]: the model's output
 
     @classmethod
@@ -96,9 +94,7 @@ class GraphBuffers:
 
         return cls(
             token_inputs=torch.zeros(3, max_batch, dtype=torch.int64, device=device),
-            kv_indptr=zeros(max_batch + 1, torch.int32),
             kv_indices=zeros(max_batch * max_blocks_per_seq, torch.int32),
-            kv_last_page_len=zeros(max_batch, torch.int32),
             hidden=torch.zeros(max_batch, hidden_size, dtype=dtype, device=device),
         )
 
@@ -162,9 +158,7 @@ class CudaGraphRunner:
         pool = None
         b = self.buffers
         for size in reversed(self.batch_sizes):  # largest first: the others fit in its pool
-            self.attn.add_graph_batch_size(
-                size, b.kv_indptr[: size + 1], b.kv_indices, b.kv_last_page_len[:size]
-            )
+            self.attn.add_graph_batch_size(size, b.kv_indices)
             padding = DecodeInputs([], [], [], [], []).padded(size)
             inputs = [padding.input_ids, padding.positions, padding.slot_mapping]
             self._stage(

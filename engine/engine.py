@@ -92,7 +92,9 @@ class LLMEngine:
                 cache.gpu_memory_utilization,
                 sched.max_num_batched_tokens,
                 sched.max_num_seqs,
-                graph_memory_reserve(graph_batch_sizes(sched.max_num_seqs)) if use_graphs else 0,
+                graph_memory_reserve(graph_batch_sizes(sched.max_num_seqs), attn)
+                if use_graphs
+                else 0,
             )
         else:
             num_blocks = max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))

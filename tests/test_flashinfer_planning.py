@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention.flashinfer_backend import BalancedDecodeSplit, page_table, split_step
+from engine.attention.flashinfer_backend import page_table, split_step
 from engine.config import CacheConfig, EngineConfig
 from engine.cuda_graphs import DUMMY_BLOCK, MAX_GRAPH_BATCH, DecodeInputs, graph_batch_sizes
 from engine.errors import ValidationError
@@ -139,60 +139,6 @@ def test_split_step_describes_exactly_each_sequences_kv(
     torch.testing.assert_close(
         torch.cat(parts), expected_output(batch, SCALE), rtol=1e-6, atol=1e-6
     )
-
-
-def _read_split(split: BalancedDecodeSplit, plan: np.ndarray):
-    """The arrays flashinfer's kernels read, at the offsets the plan info gives them."""
-    _, _, _, request_at, tile_at, o_indptr_at, valid_at, chunk_at, graph, split_kv = split.plan_info
-    assert (graph, split_kv) == (1, 1)
-    cap, batch = split.capacity, split.batch_size
-    return (
-        plan[request_at : request_at + 4 * cap].view(np.int32),
-        plan[tile_at : tile_at + 4 * cap].view(np.int32),
-        plan[o_indptr_at : o_indptr_at + 4 * (batch + 1)].view(np.int32),
-        int(plan[chunk_at : chunk_at + 4].view(np.int32)[0]),
-        plan[valid_at : valid_at + cap].astype(bool),
-    )
-
-
-def test_balanced_split_by_hand():
-    split = BalancedDecodeSplit(3, target_items=4, page_size=64, num_qo_heads=2, head_dim=8)
-    plan = split.schedule(np.array([300, 64, 1], dtype=np.int32))
-    request, tile, o_indptr, chunk, valid = _read_split(split, plan)
-    # 365 tokens / 4 items = 92, raised to the 128-token floor (two pages)
-    assert chunk == 128
-    assert split.capacity == 7 and len(plan) == split.int_bytes
-    assert request[:5].tolist() == [0, 0, 0, 1, 2]
-    assert tile[:5].tolist() == [0, 1, 2, 0, 0]
-    assert o_indptr.tolist() == [0, 3, 4, 5]
-    assert valid.tolist() == [True] * 5 + [False] * 2
-
-
-def test_balanced_split_chunks_are_whole_pages_near_the_target():
-    split = BalancedDecodeSplit(4, target_items=10, page_size=64, num_qo_heads=2, head_dim=8)
-    # 4,000 tokens / 10 items = 400 tokens, rounded up to 7 pages
-    assert split.chunk_tokens(np.array([1000, 1000, 1000, 1000])) == 448
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_balanced_split_covers_each_sequence_once_within_capacity(seed):
-    rng = random.Random(seed)
-    batch = rng.randint(1, 64)
-    page = rng.choice([16, 64])
-    split = BalancedDecodeSplit(
-        batch, target_items=rng.randint(1, 600), page_size=page, num_qo_heads=4, head_dim=16
-    )
-    lens = np.array([rng.randint(1, 5000) for _ in range(batch)], dtype=np.int32)
-    request, tile, o_indptr, chunk, valid = _read_split(split, split.schedule(lens))
-    num_items = int(o_indptr[-1])
-    assert num_items <= split.capacity and chunk % page == 0
-    assert valid.sum() == num_items and valid[:num_items].all()
-    for i, n in enumerate(lens):
-        items = range(o_indptr[i], o_indptr[i + 1])
-        assert [request[j] for j in items] == [i] * len(items)
-        # chunks 0..k-1 of `chunk` tokens cover [0, n): the last one starts inside it
-        assert [tile[j] for j in items] == list(range(len(items)))
-        assert (len(items) - 1) * chunk < n <= len(items) * chunk
 
 
 def test_decode_padding_writes_nowhere_and_reads_one_dummy_token():

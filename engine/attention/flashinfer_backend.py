@@ -11,12 +11,16 @@ aligns the causal mask bottom-right).
 
 plan() runs once per step on the host: it turns the block tables into flashinfer's CSR
 page tables (page_table below: indptr / indices / last_page_len) and plans both wrappers;
-each layer's forward() then only launches kernels. For CUDA graphs (engine/cuda_graphs.py)
-there is one decode wrapper per captured batch size whose page tables live in the graph's
-static buffers; plan_graph() refills them before each replay.
+each layer's forward() then only launches kernels.
 
-flashinfer is imported only when a backend is configured, so this module imports (and its
-planning math is tested) on machines without it.
+The pure-decode steps that replay CUDA graphs (engine/cuda_graphs.py) run the engine's own
+Triton decode kernel instead (engine/kernels/decode_attention.py), which splits the KV
+into equal chunks where flashinfer's graph-mode decode cannot (RESULTS.md). Each captured
+batch size has a DecodeWorkspace; plan_graph() copies the step's page table and split
+into it, and into the graph's static page-index buffer, before each replay.
+
+flashinfer and Triton are imported only when a backend is configured, so this module
+imports (and its planning math is tested) on machines without them.
 """
 
 from __future__ import annotations
@@ -122,92 +126,6 @@ def split_step(
     )
 
 
-def _aligned(num_bytes: int) -> int:
-    return -(-num_bytes // 16) * 16
-
-
-class BalancedDecodeSplit:
-    """The work split of flashinfer's CUDA-core batch decode under a CUDA graph, chosen here.
-
-    The kernel runs one thread block per (work item, KV head); an item is one chunk of one
-    sequence's KV, and a merge kernel then combines each sequence's chunks. flashinfer's own
-    planner, under a CUDA graph, fixes the item count at one wave of thread blocks, so at a
-    large batch it cannot split at all: every sequence is one item, the short ones finish
-    early and the longest run on alone. This split instead cuts every sequence into chunks
-    of one length, picked per step so that the step has about `target_items` chunks beyond
-    its one per sequence: items of near-equal size that the GPU deals out as blocks free up.
-
-    Its plan goes where flashinfer's would: a plan-info vector (what run() launches: the
-    item capacity, fixed at capture) and the arrays in the wrapper's int workspace that
-    the kernels read, which schedule() builds on the host for each step.
-    """
-
-    def __init__(
-        self,
-        batch_size: int,
-        target_items: int,
-        page_size: int,
-        num_qo_heads: int,
-        head_dim: int,
-        min_chunk: int = 128,
-    ):
-        self.batch_size = batch_size
-        self.target_items = target_items
-        self.page_size = page_size
-        self.min_chunk = min_chunk
-        # sum(ceil(len / chunk)) <= sum(len) / chunk + batch <= target_items + batch
-        self.capacity = capacity = batch_size + target_items
-        self._request_at = 0
-        self._tile_at = _aligned(capacity * 4)
-        self._o_indptr_at = self._tile_at + _aligned(capacity * 4)
-        self._chunk_at = self._o_indptr_at + _aligned((batch_size + 1) * 4)
-        self._valid_at = self._chunk_at + 16
-        self.int_bytes = self._valid_at + _aligned(capacity)
-        # Partial outputs (2-byte, per item and query head) and their log-sum-exps.
-        lse_at = _aligned(capacity * num_qo_heads * head_dim * 2)
-        self.float_bytes = lse_at + capacity * num_qo_heads * 4
-        # flashinfer's DecodePlanInfo: padded batch size, float offsets (partial outputs,
-        # lse), int offsets (request, chunk index, output indptr, valid mask, chunk length),
-        # CUDA graph, split.
-        self.plan_info = [
-            capacity,
-            0,
-            lse_at,
-            self._request_at,
-            self._tile_at,
-            self._o_indptr_at,
-            self._valid_at,
-            self._chunk_at,
-            1,
-            1,
-        ]
-
-    def chunk_tokens(self, seq_lens: np.ndarray) -> int:
-        """The step's chunk length: whole pages, at least min_chunk tokens."""
-        chunk = -(-int(seq_lens.sum()) // self.target_items)
-        chunk = max(chunk, self.min_chunk)
-        return -(-chunk // self.page_size) * self.page_size
-
-    def schedule(self, seq_lens: np.ndarray) -> np.ndarray:
-        """The int workspace's bytes [0, int_bytes) for one step of batch_size sequences."""
-        assert len(seq_lens) == self.batch_size, (len(seq_lens), self.batch_size)
-        chunk = self.chunk_tokens(seq_lens)
-        chunks = (np.maximum(seq_lens, 1) + chunk - 1) // chunk
-        o_indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
-        np.cumsum(chunks, out=o_indptr[1:])
-        num_items = int(o_indptr[-1])
-        assert num_items <= self.capacity, (num_items, self.capacity)
-        plan = np.zeros(self.int_bytes, dtype=np.uint8)
-        request = plan[self._request_at : self._tile_at].view(np.int32)
-        request[:num_items] = np.repeat(np.arange(self.batch_size, dtype=np.int32), chunks)
-        tile = plan[self._tile_at : self._o_indptr_at].view(np.int32)
-        tile[:num_items] = np.arange(num_items, dtype=np.int32) - np.repeat(o_indptr[:-1], chunks)
-        plan[self._o_indptr_at : self._chunk_at].view(np.int32)[: len(o_indptr)] = o_indptr
-        plan[self._chunk_at : self._chunk_at + 4].view(np.int32)[0] = chunk
-        plan[self._valid_at : self._valid_at + num_items] = 1
-        return plan
-
-
 class FlashInferAttention:
     """The AttentionBackend for CUDA. Build it, load the model with it, then configure()."""
 
@@ -235,13 +153,13 @@ class FlashInferAttention:
             for tensor_cores in {self._tensor_cores(1), self._tensor_cores(TENSOR_CORE_MIN_BATCH)}
         }
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._graph_decode: dict[int, Any] = {}
-        # batch size -> the static (indptr, indices, last_page_len) its graph reads
-        self._graph_tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._graph_planned: set[int] = set()  # batch sizes whose wrapper has run plan() once
-        # What forward() runs this step: rows [0, num_decode_rows) through self._decode,
-        # the rest through self._prefill.
+        # CUDA-graph decode: batch size -> its workspace; the graphs' static page indices.
+        self._graph_work: dict[int, Any] = {}
+        self._graph_kv_indices: torch.Tensor | None = None
+        # What forward() runs this step: rows [0, num_decode_rows) through self._decode (or
+        # the Triton kernel on self._graph_step's workspace), the rest through self._prefill.
         self._decode: Any = None
+        self._graph_step: Any = None
         self._num_decode_rows = 0
         # A wrapper's plan() stages its schedule in one pinned host buffer and copies it to
         # the device asynchronously; with the device running a step ahead (async
@@ -257,6 +175,7 @@ class FlashInferAttention:
         )
         indices_gpu = _to_gpu(pages.indices, self.device)
         self._decode = self._eager_decode[self._tensor_cores(pages.num_decodes)]
+        self._graph_step = None
         self._num_decode_rows = pages.num_decodes
         if pages.num_decodes:
             self._plan_decode(
@@ -285,55 +204,39 @@ class FlashInferAttention:
             )
         self._plan_copied.record()
 
-    def add_graph_batch_size(
-        self,
-        batch_size: int,
-        kv_indptr: torch.Tensor,  # int32 [batch_size + 1] on the GPU, static
-        kv_indices: torch.Tensor,  # int32 [enough pages for any batch] on the GPU, static
-        kv_last_page_len: torch.Tensor,  # int32 [batch_size] on the GPU, static
-    ) -> None:
-        """A decode wrapper for CUDA graphs of exactly batch_size sequences: its page tables
-        live in the given buffers, which the captured kernels read."""
-        import flashinfer
+    def add_graph_batch_size(self, batch_size: int, kv_indices: torch.Tensor) -> None:
+        """Decode for CUDA graphs of exactly batch_size sequences, whose page indices the
+        captured kernels read from kv_indices (static, shared by every batch size)."""
+        from engine.kernels import decode_attention
 
-        self._graph_tables[batch_size] = (kv_indptr, kv_indices, kv_last_page_len)
-        self._graph_decode[batch_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self._tensor_cores(batch_size),
-            paged_kv_indptr_buffer=kv_indptr,
-            paged_kv_indices_buffer=kv_indices,
-            paged_kv_last_page_len_buffer=kv_last_page_len,
+        self._graph_kv_indices = kv_indices
+        self._graph_work[batch_size] = decode_attention.DecodeWorkspace(
+            batch_size, self.num_qo_heads, self.head_dim, _num_sms(self.device), self.device
+        )
+
+    def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
+        """Device memory add_graph_batch_size takes for these batch sizes."""
+        from engine.kernels.decode_attention import DecodeWorkspace
+
+        sms = _num_sms(self.device)
+        return sum(
+            DecodeWorkspace.nbytes(b, self.num_qo_heads, self.head_dim, sms) for b in batch_sizes
         )
 
     def plan_graph(
         self, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
     ) -> None:
         """Plan a pure-decode step of a captured batch size (padding rows included): copies
-        its page tables into the graph's buffers, for a capture or a replay to read."""
-        batch_size = len(seq_lens)
-        wrapper = self._graph_decode[batch_size]
-        self._plan_copied.synchronize()
+        its page indices and plan into the graph's buffers, for a capture or a replay."""
+        work = self._graph_work[len(seq_lens)]
         table = page_table(seq_lens, block_tables, block_size)
-        indptr, last_page_len = _pinned(table.indptr), _pinned(table.last_page_len)
-        if batch_size not in self._graph_planned:  # the capture: the wrapper's full plan
-            self._graph_planned.add(batch_size)
-            indices = _to_gpu(table.indices, self.device)
-            self._plan_decode(wrapper, indptr, indices, last_page_len, block_size)
-        else:
-            # A replay: the page tables go straight into the graph's buffers, and only the
-            # work split is planned again. The wrapper's own plan() also runs Python's max()
-            # over a host tensor, element by element (~1 ms at 256 sequences, with the GPU
-            # waiting on the host whenever a step's kernels are shorter: RESULTS.md).
-            indices = _pinned(table.indices)
-            kv_indptr, kv_indices, kv_last_page_len = self._graph_tables[batch_size]
-            kv_indptr.copy_(indptr, non_blocking=True)
-            kv_indices[: len(indices)].copy_(indices, non_blocking=True)
-            kv_last_page_len.copy_(last_page_len, non_blocking=True)
-            self._plan_decode(wrapper, indptr, indices, last_page_len, block_size, replan=True)
-        self._decode, self._num_decode_rows = wrapper, batch_size
-        self._plan_copied.record()
+        plan = work.host_plan(np.asarray(seq_lens, dtype=np.int32), table.indptr)
+        indices = table.indices
+        self._graph_kv_indices[: len(indices)].copy_(_pinned(indices), non_blocking=True)
+        work.plan.copy_(_pinned(plan), non_blocking=True)
+        # The pinned copies need no wait: torch's pinned allocator keeps each buffer until
+        # its copy has run.
+        self._graph_step, self._num_decode_rows = work, len(seq_lens)
 
     def _tensor_cores(self, batch_size: int) -> bool:
         return decode_uses_tensor_cores(batch_size, self.num_qo_heads // self.num_kv_heads)
@@ -342,25 +245,13 @@ class FlashInferAttention:
         self,
         wrapper: Any,
         indptr: torch.Tensor,  # pinned host memory, as is last_page_len
-        indices: torch.Tensor,
+        indices: torch.Tensor,  # on the device
         last_page_len: torch.Tensor,
         block_size: int,
-        replan: bool = False,
     ) -> None:
-        """Plan a decode wrapper: its own plan(), or with replan (a CUDA-graph wrapper whose
-        buffers the caller has filled) flashinfer's fast_decode_plan, which only plans the
-        work split."""
-        import flashinfer
-
-        if replan:
-            plan = functools.partial(flashinfer.fast_decode_plan, wrapper)
-        else:
-            # plan() reads indptr and last_page_len on the host and copies them to the
-            # device itself (asynchronously, as they are pinned). The indices must already
-            # be on the device, or a CUDA-graph wrapper copies them synchronously.
-            assert indices.device.type == "cuda", indices.device
-            plan = wrapper.plan
-        plan(
+        # plan() reads indptr and last_page_len on the host and copies them to the device
+        # itself (asynchronously, as they are pinned).
+        wrapper.plan(
             indptr,
             indices,
             last_page_len,
@@ -385,6 +276,12 @@ class FlashInferAttention:
     ) -> torch.Tensor:
         assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
         rows = self._num_decode_rows
+        if self._graph_step is not None:
+            from engine.kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(
+                q, kv_cache, self._graph_kv_indices, self._graph_step, self.scale
+            )
         if rows == q.shape[0]:
             return self._decode.run(q, kv_cache)
         out = torch.empty_like(q)
@@ -392,6 +289,11 @@ class FlashInferAttention:
             self._decode.run(q[:rows], kv_cache, out=out[:rows])
         self._prefill.run(q[rows:], kv_cache, out=out[rows:])
         return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _pinned(array: np.ndarray) -> torch.Tensor:

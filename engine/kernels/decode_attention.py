@@ -2,24 +2,26 @@
 
 One new token per sequence attends to all of that sequence's KV in the paged pool
 ([num_blocks, 2, block_size, num_kv_heads, head_dim], the engine's layout). The work is
-split into items, each one chunk of `chunk_tokens` tokens (whole pages) of one sequence,
-and the kernel runs one program per (item, KV head): it reads the chunk's pages once for
-all the query heads of its group, with an online softmax. A sequence of one chunk writes
-its output directly; the chunks of a longer one leave partial outputs and log-sum-exps
-that a second kernel merges.
+split into items, each one chunk of the same number of tokens of one sequence, and the
+kernel runs one program per (item, KV head): it streams the chunk's K and V once for all
+the query heads of its group (padded to a tensor-core tile), with an online softmax. A
+sequence of one chunk writes its output directly; the chunks of a longer one leave
+partial outputs and log-sum-exps that a second kernel merges.
 
-Why a chunk length picked per step: flashinfer's kernels give every (sequence, KV head)
-one thread block at the batch sizes of a busy server, so their longest sequences run on
-alone at the end of each layer's attention; equal-length chunks, several per streaming
-multiprocessor, keep all of them streaming KV until the end (decode_split says how many).
+Why: flashinfer's decode kernels give every (sequence, KV head) one thread block at the
+batch sizes of a busy server, so each layer's attention ends with its longest sequences
+running alone. Equal chunks, a couple per streaming multiprocessor and KV head, keep the
+whole GPU streaming KV to the end. On the H200, at the offline workload's decode steps,
+this kernel takes 164 / 169 / 125 / 79 / 45 us a layer against flashinfer's best
+170 / 174 / 132 / 80 / 47 (benchmarks/RESULTS.md).
 
-The item arrays live on the device and every launch covers `capacity` items, so a step is
-planned on the host (decode_split) and a CUDA graph replays the kernels unchanged.
+The CUDA-graph decode runs it (engine/attention/flashinfer_backend.py): a DecodeWorkspace
+per captured batch size holds the step's plan at fixed device addresses, and every launch
+covers the workspace's capacity of items, so a graph replays any step's split unchanged.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +31,27 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from engine.kernels.triton_kernels import _pdl_options, _pdl_start
+
+# Chunks never shorter than this many tokens: below it a program's start-up outweighs its
+# reading.
+MIN_CHUNK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How a batch size's decode runs (benchmarks/gpu_attention.py's sweep, RESULTS.md)."""
+
+    items_per_sm: int  # chunks beyond one per sequence, per streaming multiprocessor
+    block_n: int  # tokens per step of a program's loop
+    num_stages: int  # Triton's software pipeline depth for that loop
+
+    @staticmethod
+    def for_batch(batch_size: int) -> DecodeConfig:
+        # From 64 sequences, 128-token steps and two chunks per SM were fastest at the
+        # workload's busy steps; below it one chunk per SM and 64-token steps.
+        if batch_size >= 64:
+            return DecodeConfig(items_per_sm=2, block_n=128, num_stages=3)
+        return DecodeConfig(items_per_sm=1, block_n=64, num_stages=3)
 
 
 @dataclass
@@ -41,13 +64,12 @@ class DecodeSplit:
     item_indptr: np.ndarray  # int32 [B + 1]: sequence i's items are [indptr[i], indptr[i+1])
 
 
-def decode_split(
-    seq_lens: np.ndarray, target_items: int, page_size: int, min_chunk: int = 128
-) -> DecodeSplit:
-    """Chunks of whole pages, long enough that the step has at most target_items + B items
-    (sum(ceil(len / chunk)) <= sum(len) / chunk + B), at least min_chunk tokens."""
-    chunk = max(-(-int(seq_lens.sum()) // target_items), min_chunk)
-    chunk = -(-chunk // page_size) * page_size
+def decode_split(seq_lens: np.ndarray, target_items: int, granule: int) -> DecodeSplit:
+    """Chunks of a multiple of granule tokens (at least MIN_CHUNK_TOKENS), long enough that
+    the step has at most target_items + B items: sum(ceil(len / chunk)) <= sum(len) /
+    chunk + B."""
+    chunk = max(-(-int(seq_lens.sum()) // target_items), MIN_CHUNK_TOKENS)
+    chunk = -(-chunk // granule) * granule
     counts = (np.maximum(seq_lens, 1) + chunk - 1) // chunk
     indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
     np.cumsum(counts, out=indptr[1:])
@@ -79,6 +101,7 @@ def _decode_chunk_kernel(
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,  # GROUP padded to a tensor-core tile
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # the next power of two
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # tokens per step of the loop, over one or more pages
     PDL: tl.constexpr,
@@ -98,18 +121,19 @@ def _decode_chunk_kernel(
 
     rows = tl.arange(0, GROUP_ROWS)
     heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
     row_ok = rows < GROUP
     q = tl.load(
         q_ptr + seq * q_stride_tok + heads[:, None] * q_stride_head + dims[None, :],
-        mask=row_ok[:, None],
+        mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
 
     offs = tl.arange(0, BLOCK_N)
     m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_ROWS], tl.float32)
-    acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], tl.float32)
     for first in range(start, end, BLOCK_N):
         toks = first + offs
         tok_ok = toks < end
@@ -121,8 +145,9 @@ def _decode_chunk_kernel(
             + kv_head * kv_stride_head
             + dims[None, :]
         )
-        k = tl.load(k_at, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(k_at + kv_stride_kv, mask=tok_ok[:, None], other=0.0)
+        kv_ok = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_at, mask=kv_ok, other=0.0)
+        v = tl.load(k_at + kv_stride_kv, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)  # log2 units
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -134,12 +159,13 @@ def _decode_chunk_kernel(
 
     acc = acc / denom[:, None]
     at = heads[:, None] * HEAD_DIM + dims[None, :]
+    ok = row_ok[:, None] & dim_ok[None, :]
     num_heads = tl.num_programs(1) * GROUP
     if (start == 0) & (end == seq_len):  # the whole sequence: the output itself
         whole = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + seq * num_heads * HEAD_DIM + at, whole, mask=row_ok[:, None])
+        tl.store(out_ptr + seq * num_heads * HEAD_DIM + at, whole, mask=ok)
     else:
-        tl.store(part_out_ptr + item * num_heads * HEAD_DIM + at, acc, mask=row_ok[:, None])
+        tl.store(part_out_ptr + item * num_heads * HEAD_DIM + at, acc, mask=ok)
         tl.store(part_lse_ptr + item * num_heads + heads, m + tl.log2(denom), mask=row_ok)
 
 
@@ -151,6 +177,7 @@ def _merge_chunks_kernel(
     part_lse_ptr,
     num_heads,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _pdl_start(PDL)
@@ -160,82 +187,100 @@ def _merge_chunks_kernel(
     last = tl.load(item_indptr_ptr + seq + 1)
     if last - first == 1:  # written whole by the chunk kernel
         return
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
     m = tl.full([], float("-inf"), tl.float32)
     weight = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
     for item in range(first, last):
         lse = tl.load(part_lse_ptr + item * num_heads + head)
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(lse - m_new)
-        part = tl.load(part_out_ptr + (item * num_heads + head) * HEAD_DIM + dims)
+        part = tl.load(
+            part_out_ptr + (item * num_heads + head) * HEAD_DIM + dims, mask=dim_ok, other=0.0
+        )
         acc = acc * alpha + part * beta
         weight = weight * alpha + beta
         m = m_new
     merged = (acc / weight).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, merged)
+    tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, merged, mask=dim_ok)
 
 
-@dataclass
 class DecodeWorkspace:
-    """The device buffers one decode batch size's kernels read: fixed addresses, so a CUDA
-    graph can replay them with each step's split copied in."""
+    """One decode batch size's device buffers, at fixed addresses for its CUDA graph.
 
-    capacity: int  # items per launch, each of num_kv_heads programs
-    item_seq: torch.Tensor  # int32 [capacity]
-    item_chunk: torch.Tensor  # int32 [capacity]
-    item_indptr: torch.Tensor  # int32 [B + 1]
-    split: torch.Tensor  # int32 [2]: number of items, chunk tokens
-    part_out: torch.Tensor  # float32 [capacity, num_q_heads, head_dim]
-    part_lse: torch.Tensor  # float32 [capacity, num_q_heads]
+    `plan` (int32) holds a step's whole plan, which plan() lays out on the host for one
+    copy: the page table's indptr [B + 1], the sequence lengths [B], each sequence's items
+    [B + 1], the item count and chunk length [2], then each item's sequence and chunk index
+    [capacity each]. The float buffers take the partial results of split sequences."""
 
-    @classmethod
-    def allocate(
-        cls, batch_size: int, capacity: int, num_q_heads: int, head_dim: int, device
-    ) -> DecodeWorkspace:
-        ints = functools.partial(torch.zeros, dtype=torch.int32, device=device)
-        floats = functools.partial(torch.empty, dtype=torch.float32, device=device)
-        return cls(
-            capacity,
-            ints(capacity),
-            ints(capacity),
-            ints(batch_size + 1),
-            ints(2),
-            floats(capacity, num_q_heads, head_dim),
-            floats(capacity, num_q_heads),
-        )
+    def __init__(
+        self,
+        batch_size: int,
+        num_q_heads: int,
+        head_dim: int,
+        num_sms: int,
+        device,
+        config: DecodeConfig | None = None,  # DecodeConfig.for_batch's unless given
+    ) -> None:
+        self.batch_size = batch_size
+        self.config = config or DecodeConfig.for_batch(batch_size)
+        self.target_items = self.config.items_per_sm * num_sms
+        self.capacity = capacity = batch_size + self.target_items
+        b = batch_size
+        self._at = np.cumsum([0, b + 1, b, b + 1, 2, capacity, capacity])
+        self.plan = torch.zeros(int(self._at[-1]), dtype=torch.int32, device=device)
+        (
+            self.kv_indptr,
+            self.seq_lens,
+            self.item_indptr,
+            self.split,
+            self.item_seq,
+            self.item_chunk,
+        ) = (self.plan[start:end] for start, end in zip(self._at[:-1], self._at[1:]))
+        self.part_out = torch.empty(capacity, num_q_heads, head_dim, device=device)
+        self.part_lse = torch.empty(capacity, num_q_heads, device=device)
 
-    def load(self, split: DecodeSplit) -> None:
-        """Copy a step's split in (synchronously; the engine stages it in its upload)."""
-        n = len(split.item_seq)
-        assert n <= self.capacity, (n, self.capacity)
-        self.item_seq[:n].copy_(torch.from_numpy(split.item_seq))
-        self.item_chunk[:n].copy_(torch.from_numpy(split.item_chunk))
-        self.item_indptr.copy_(torch.from_numpy(split.item_indptr))
-        self.split.copy_(torch.tensor([n, split.chunk_tokens], dtype=torch.int32))
+    @staticmethod
+    def nbytes(batch_size: int, num_q_heads: int, head_dim: int, num_sms: int) -> int:
+        capacity = batch_size + DecodeConfig.for_batch(batch_size).items_per_sm * num_sms
+        return 4 * (3 * batch_size + 4 + 2 * capacity + capacity * num_q_heads * (head_dim + 1))
+
+    def host_plan(self, seq_lens: np.ndarray, kv_indptr: np.ndarray) -> np.ndarray:
+        """The step's `plan`, for sequences of seq_lens tokens whose pages kv_indptr gives."""
+        assert len(seq_lens) == self.batch_size, (len(seq_lens), self.batch_size)
+        split = decode_split(seq_lens, self.target_items, self.config.block_n)
+        num_items = len(split.item_seq)
+        assert num_items <= self.capacity, (num_items, self.capacity)
+        plan = np.zeros(int(self._at[-1]), dtype=np.int32)
+        at = self._at
+        plan[at[0] : at[1]] = kv_indptr
+        plan[at[1] : at[2]] = seq_lens
+        plan[at[2] : at[3]] = split.item_indptr
+        plan[at[3] : at[4]] = (num_items, split.chunk_tokens)
+        plan[at[4] : at[4] + num_items] = split.item_seq
+        plan[at[5] : at[5] + num_items] = split.item_chunk
+        return plan
 
 
 def paged_decode_attention(
     q: torch.Tensor,  # [B, num_q_heads, head_dim]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-    kv_indptr: torch.Tensor,  # int32 [B + 1]
     kv_indices: torch.Tensor,  # int32: block ids, sequence after sequence
-    seq_lens: torch.Tensor,  # int32 [B]
-    work: DecodeWorkspace,
+    work: DecodeWorkspace,  # its plan loaded for these B sequences
     scale: float,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
-    group = num_q_heads // num_kv_heads
+    assert batch == work.batch_size, (batch, work.batch_size)
     assert q.stride(2) == 1 and kv_cache.stride(4) == 1
     if out is None:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.is_contiguous() and out.shape == q.shape
+    group = num_q_heads // num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
     pdl = _pdl_options(q.device)
     _decode_chunk_kernel[(work.capacity, num_kv_heads)](
         q,
@@ -246,9 +291,9 @@ def paged_decode_attention(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
-        kv_indptr,
+        work.kv_indptr,
         kv_indices,
-        seq_lens,
+        work.seq_lens,
         work.item_seq,
         work.item_chunk,
         work.split,
@@ -259,10 +304,11 @@ def paged_decode_attention(
         GROUP=group,
         GROUP_ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
         PAGE=page,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=work.config.block_n,
+        num_warps=4,
+        num_stages=work.config.num_stages,
         **pdl,
     )
     _merge_chunks_kernel[(batch, num_q_heads)](
@@ -272,6 +318,7 @@ def paged_decode_attention(
         work.part_lse,
         num_q_heads,
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
         num_warps=1,
         **pdl,
     )
