@@ -4,7 +4,7 @@ The plan (decode_split, DecodeWorkspace.host_plan) is host code, checked by hand
 random batches: every sequence's KV covered once by chunks of one length, within the
 workspace's capacity. The kernels must equal float32 attention over each sequence's pages
 up to bf16 rounding, for sequences of one chunk (written directly) and of several
-(merged by the last of their programs), GQA groups of 1-8, a head dim that is no power of two, and any page size against
+(merged), GQA groups of 1-8, a head dim that is no power of two, and any page size against
 the loop's token step. They run on CUDA (marked gpu) and on the CPU under Triton's
 interpreter (test_decode_attention_in_the_interpreter reruns the "interpreter" cases in a
 subprocess, as tests/test_kernels.py does).
@@ -116,7 +116,6 @@ def test_decode_attention_equals_float32_attention(target, shape):
         out = paged_decode_attention(
             q.to(device), kv_cache.to(device), indices.to(device), work, scale
         )
-        assert not work.done.any()  # every merge reset its counter for the next launch
         expected = dense_reference(q, kv_cache, tables, lens, scale)
         torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
