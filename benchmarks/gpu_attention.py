@@ -1,6 +1,6 @@
-"""GPU micro-benchmark: flashinfer's paged decode kernels at the offline workload's shapes.
+"""GPU micro-benchmark: the paged decode kernels at the offline workload's shapes.
 
-    python benchmarks/gpu_attention.py [--json-out FILE]
+    python benchmarks/gpu_attention.py [--workload-only] [--variants NAME ...] [--json-out FILE]
 
 Decode attention is most of a steady decode step's GPU time (benchmarks/RESULTS.md), so
 this times the choices the engine could make for it, in a CUDA graph as the engine runs
@@ -11,7 +11,9 @@ bandwidth. Variants: the CUDA-core kernel and the tensor-core one (flashinfer's 
 kernels), which engine/attention/flashinfer_backend.py picks between by batch size, on the
 engine's pool (NHD layout, 16-token pages), and the tensor-core path with its KV split off
 or at a fixed length (each split costs a merge kernel) or on 32- and 64-token pages, and
-both kernels on 64-token pages in the NHD and the HND layout; the
+both kernels on 64-token pages in the NHD and the HND layout, and the engine's own Triton
+kernel (engine/kernels/decode_attention.py, which the CUDA-graph decode runs) on 64- and
+16-token pages, with DecodeConfig.for_batch's settings; the
 workload's steps also with the batch ordered longest context first (--workload-only: the
 workload's steps as they come). TensorRT-LLM's XQA kernel
 (flashinfer.decode.xqa_batch_decode_with_kv_cache) is still in decode_call, out of

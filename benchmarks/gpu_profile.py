@@ -415,10 +415,12 @@ def print_long_gaps_by_host_phase(
 
 
 def kernel_kind(name: str) -> str:
-    """A kernel's kind, from its name: attention (flashinfer), GEMM (cuBLAS/CUTLASS), the
-    engine's Triton kernels, or other (copies, fills, torch's elementwise ops)."""
+    """A kernel's kind, from its name: attention (flashinfer's, and the engine's Triton
+    decode), GEMM (cuBLAS/CUTLASS), the engine's other Triton kernels, or other (copies,
+    fills, torch's elementwise ops)."""
     lowered = name.lower()
-    if any(part in lowered for part in ("flashinfer", "batchdecode", "batchprefill", "mergestate")):
+    attention = ("flashinfer", "batchdecode", "batchprefill", "mergestate", "_decode_chunk")
+    if any(part in lowered for part in attention):
         return "attention"
     if any(part in lowered for part in ("gemm", "nvjet", "xmma", "cutlass", "splitk")):
         return "gemm"
