@@ -29,12 +29,15 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.kernels.decode_attention import DecodeWorkspace
 
 # flashinfer's float workspace holds split-KV partial results; 128 MiB is its recommendation.
 WORKSPACE_BYTES = 128 * 2**20
@@ -154,12 +157,12 @@ class FlashInferAttention:
         }
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         # CUDA-graph decode: batch size -> its workspace; the graphs' static page indices.
-        self._graph_work: dict[int, Any] = {}
+        self._graph_work: dict[int, DecodeWorkspace] = {}
         self._graph_kv_indices: torch.Tensor | None = None
         # What forward() runs this step: rows [0, num_decode_rows) through self._decode (or
         # the Triton kernel on self._graph_step's workspace), the rest through self._prefill.
         self._decode: Any = None
-        self._graph_step: Any = None
+        self._graph_step: DecodeWorkspace | None = None
         self._num_decode_rows = 0
         # A wrapper's plan() stages its schedule in one pinned host buffer and copies it to
         # the device asynchronously; with the device running a step ahead (async

@@ -210,7 +210,7 @@ def _merge_chunks_kernel(
 class DecodeWorkspace:
     """One decode batch size's device buffers, at fixed addresses for its CUDA graph.
 
-    `plan` (int32) holds a step's whole plan, which plan() lays out on the host for one
+    `plan` (int32) holds a step's whole plan, which host_plan() lays out for one
     copy: the page table's indptr [B + 1], the sequence lengths [B], each sequence's items
     [B + 1], the item count and chunk length [2], then each item's sequence and chunk index
     [capacity each]. The float buffers take the partial results of split sequences."""
