@@ -12,18 +12,14 @@ subprocess, as tests/test_kernels.py does).
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from engine.kernels.dispatch import triton_importable
-from tests.test_kernels import INTERPRETED, TRITON_TARGETS
+from tests.test_kernels import INTERPRETED, TRITON_TARGETS, rerun_interpreter_cases
 from tests.test_triton_linear import interpreter_multiplies_bf16_values  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
@@ -122,10 +118,4 @@ def test_decode_attention_equals_float32_attention(target, shape):
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_decode_attention_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(
-        [*command, "-k", "interpreter"], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b\d+ passed", result.stdout), result.stdout  # ran, not all skipped
+    rerun_interpreter_cases(__file__)

@@ -543,26 +543,19 @@ def test_the_ops_capture_in_a_cuda_graph() -> None:
     assert torch.equal(token_ids, exponential_race_torch(*race))
 
 
-@pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
-@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
-def test_triton_kernels_in_the_interpreter() -> None:
+def rerun_interpreter_cases(test_file: str) -> None:
+    """Run a test file's "interpreter" cases in a subprocess with TRITON_INTERPRET=1 (it
+    must be set before triton is imported), and require that some ran and all passed."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "interpreter",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        [*command, "-k", "interpreter"], env=env, capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b\d+ passed", result.stdout), result.stdout  # ran, not all skipped
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_triton_kernels_in_the_interpreter() -> None:
+    rerun_interpreter_cases(__file__)

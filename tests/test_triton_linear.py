@@ -10,18 +10,13 @@ reruns this file's "interpreter" cases in a subprocess, as tests/test_kernels.py
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.dispatch import triton_importable
 from engine.model import llama
-from tests.test_kernels import INTERPRETED, TRITON_TARGETS
+from tests.test_kernels import INTERPRETED, TRITON_TARGETS, rerun_interpreter_cases
 
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 
@@ -184,10 +179,4 @@ def test_skinny_linear_captures_in_a_cuda_graph() -> None:
 @needs_triton
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_skinny_linear_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(
-        [*command, "-k", "interpreter"], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b\d+ passed", result.stdout), result.stdout  # ran, not all skipped
+    rerun_interpreter_cases(__file__)
