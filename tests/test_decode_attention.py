@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.attention.flashinfer_backend import page_table
 from engine.kernels.dispatch import triton_importable
 from tests.test_kernels import INTERPRETED, TRITON_TARGETS, rerun_interpreter_cases
 from tests.test_triton_linear import interpreter_multiplies_bf16_values  # noqa: F401
@@ -62,6 +63,17 @@ def test_the_plan_covers_each_sequence_once_within_capacity(seed):
         assert (len(mine) - 1) * chunk < n <= len(mine) * chunk  # the last chunk ends it
 
 
+@pytest.mark.parametrize("batch_size", [1, 63, 64, 512])
+def test_nbytes_is_what_a_workspace_allocates(batch_size):
+    # The KV pool is sized with nbytes kept free for every captured batch size.
+    from engine.kernels.decode_attention import DecodeWorkspace
+
+    work = DecodeWorkspace(batch_size, num_q_heads=16, head_dim=128, num_sms=132, device="cpu")
+    buffers = (work.plan, work.part_out, work.part_lse)
+    allocated = sum(t.numel() * t.element_size() for t in buffers)
+    assert DecodeWorkspace.nbytes(batch_size, 16, 128, 132) == allocated
+
+
 def dense_reference(q, kv_cache, tables, lens, scale):
     """float32 attention of each sequence's one query over its first lens[i] tokens."""
     _, _, _, kv_heads, head_dim = kv_cache.shape
@@ -102,16 +114,14 @@ def test_decode_attention_equals_float32_attention(target, shape):
         kv_cache = torch.randn(num_blocks, 2, page, kv_heads, head_dim).to(torch.bfloat16)
         q = torch.randn(batch, heads, head_dim).to(torch.bfloat16)
         work = DecodeWorkspace(batch, heads, head_dim, num_sms, device)
-        indptr = np.zeros(batch + 1, dtype=np.int32)
-        np.cumsum(pages, out=indptr[1:])
-        work.plan.copy_(torch.from_numpy(work.host_plan(np.array(lens, dtype=np.int32), indptr)))
+        table = page_table(lens, tables, page)
+        plan = work.host_plan(np.array(lens, dtype=np.int32), table.indptr)
+        work.plan.copy_(torch.from_numpy(plan))
         num_items = work.split[0].item()
         assert num_items > batch or longest == 20  # the long batches split sequences
-        indices = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
+        indices = torch.from_numpy(table.indices).to(device)
         scale = head_dim**-0.5
-        out = paged_decode_attention(
-            q.to(device), kv_cache.to(device), indices.to(device), work, scale
-        )
+        out = paged_decode_attention(q.to(device), kv_cache.to(device), indices, work, scale)
         expected = dense_reference(q, kv_cache, tables, lens, scale)
         torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 

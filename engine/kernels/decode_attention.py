@@ -228,8 +228,7 @@ class DecodeWorkspace:
         self.config = config or DecodeConfig.for_batch(batch_size)
         self.target_items = self.config.items_per_sm * num_sms
         self.capacity = capacity = batch_size + self.target_items
-        b = batch_size
-        self._at = np.cumsum([0, b + 1, b, b + 1, 2, capacity, capacity])
+        self._at = np.cumsum([0, *self._plan_sizes(batch_size, capacity)])
         self.plan = torch.zeros(int(self._at[-1]), dtype=torch.int32, device=device)
         (
             self.kv_indptr,
@@ -243,9 +242,17 @@ class DecodeWorkspace:
         self.part_lse = torch.empty(capacity, num_q_heads, device=device)
 
     @staticmethod
-    def nbytes(batch_size: int, num_q_heads: int, head_dim: int, num_sms: int) -> int:
+    def _plan_sizes(batch_size: int, capacity: int) -> list[int]:
+        """The lengths of `plan`'s parts, in the docstring's order."""
+        b = batch_size
+        return [b + 1, b, b + 1, 2, capacity, capacity]
+
+    @classmethod
+    def nbytes(cls, batch_size: int, num_q_heads: int, head_dim: int, num_sms: int) -> int:
+        """Device memory a workspace of DecodeConfig.for_batch's configuration takes."""
         capacity = batch_size + DecodeConfig.for_batch(batch_size).items_per_sm * num_sms
-        return 4 * (3 * batch_size + 4 + 2 * capacity + capacity * num_q_heads * (head_dim + 1))
+        plan = sum(cls._plan_sizes(batch_size, capacity))
+        return 4 * (plan + capacity * num_q_heads * (head_dim + 1))  # + part_out, part_lse
 
     def host_plan(self, seq_lens: np.ndarray, kv_indptr: np.ndarray) -> np.ndarray:
         """The step's `plan`, for sequences of seq_lens tokens whose pages kv_indptr gives."""
