@@ -106,8 +106,8 @@ def _decode_chunk_kernel(
     BLOCK_N: tl.constexpr,  # tokens per step of the loop, over one or more pages
     PDL: tl.constexpr,
 ):
-    if PDL:  # wait for the K/V just written; let the merge launch only after this kernel
-        gdc_wait()
+    # The plan was copied in before the step, so its chain of dependent loads runs while
+    # the kernel before this one (which writes q and the new K/V) still finishes.
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     if item >= tl.load(split_ptr):
@@ -118,6 +118,8 @@ def _decode_chunk_kernel(
     start = tl.load(item_chunk_ptr + item) * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     first_block = tl.load(kv_indptr_ptr + seq)
+    if PDL:  # wait for q and the K/V just written; the merge launches after this kernel
+        gdc_wait()
 
     rows = tl.arange(0, GROUP_ROWS)
     heads = kv_head * GROUP + rows

@@ -259,34 +259,19 @@ def _rotary_and_store_kv_kernel(
     _pdl_start(PDL)
     # One program per token: its cos / sin row is read once for all its q and k heads; its
     # rotated q goes to q_out, its rotated k and its v to its slot of the pool (or nowhere:
-    # slot -1). Heads are tiled as halves [heads, D/2], v included.
+    # slot -1). Heads are tiled as halves [heads, D/2], v included. Every load comes before
+    # the first store: the compiler cannot move a load above a store that may alias it, and
+    # one round of memory latency is what this small kernel's time is.
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < half
     cos = tl.load(cos_ptr + token * cos_stride + cols, mask=col_mask, other=0.0)
     sin = tl.load(sin_ptr + token * cos_stride + cols, mask=col_mask, other=0.0)
-    dtype = q_out_ptr.dtype.element_ty  # q and k round alike (the launcher checks)
-
     q_heads = tl.arange(0, BLOCK_Q_HEADS)
     q_mask = (q_heads < num_q_heads)[:, None] & col_mask[None, :]
     q_in = q_ptr + token * q_stride_token + q_heads[:, None] * q_stride_head + cols[None, :]
-    q1, q2 = _norm_and_rotate(
-        tl.load(q_in, mask=q_mask, other=0.0),
-        tl.load(q_in + half, mask=q_mask, other=0.0),
-        q_weight_ptr,
-        cols,
-        col_mask,
-        cos,
-        sin,
-        half,
-        eps,
-        dtype,
-        HAS_NORM,
-    )
-    q_out = q_out_ptr + (token * num_q_heads + q_heads[:, None]) * (2 * half) + cols[None, :]
-    tl.store(q_out, q1, mask=q_mask)
-    tl.store(q_out + half, q2, mask=q_mask)
-
+    q1 = tl.load(q_in, mask=q_mask, other=0.0)
+    q2 = tl.load(q_in + half, mask=q_mask, other=0.0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     kv_heads = tl.arange(0, BLOCK_KV_HEADS)
     # slot broadcast to a tensor first: a scalar bool in a mask trips Triton 3.9's interpreter
@@ -294,19 +279,21 @@ def _rotary_and_store_kv_kernel(
     kv_mask = writes[:, None] & col_mask[None, :]
     k_in = k_ptr + token * k_stride_token + kv_heads[:, None] * k_stride_head + cols[None, :]
     v_in = v_ptr + token * v_stride_token + kv_heads[:, None] * v_stride_head + cols[None, :]
-    k1, k2 = _norm_and_rotate(
-        tl.load(k_in, mask=kv_mask, other=0.0),
-        tl.load(k_in + half, mask=kv_mask, other=0.0),
-        k_weight_ptr,
-        cols,
-        col_mask,
-        cos,
-        sin,
-        half,
-        eps,
-        dtype,
-        HAS_NORM,
+    k1 = tl.load(k_in, mask=kv_mask, other=0.0)
+    k2 = tl.load(k_in + half, mask=kv_mask, other=0.0)
+    v1 = tl.load(v_in, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_in + half, mask=kv_mask, other=0.0)
+
+    dtype = q_out_ptr.dtype.element_ty  # q and k round alike (the launcher checks)
+    q1, q2 = _norm_and_rotate(
+        q1, q2, q_weight_ptr, cols, col_mask, cos, sin, half, eps, dtype, HAS_NORM
     )
+    k1, k2 = _norm_and_rotate(
+        k1, k2, k_weight_ptr, cols, col_mask, cos, sin, half, eps, dtype, HAS_NORM
+    )
+    q_out = q_out_ptr + (token * num_q_heads + q_heads[:, None]) * (2 * half) + cols[None, :]
+    tl.store(q_out, q1, mask=q_mask)
+    tl.store(q_out + half, q2, mask=q_mask)
     cache_dtype = cache_ptr.dtype.element_ty
     cache_k = (
         cache_ptr
@@ -318,8 +305,8 @@ def _rotary_and_store_kv_kernel(
     cache_v = cache_k + cache_stride_kv
     tl.store(cache_k, k1.to(cache_dtype), mask=kv_mask)
     tl.store(cache_k + half, k2.to(cache_dtype), mask=kv_mask)
-    tl.store(cache_v, tl.load(v_in, mask=kv_mask).to(cache_dtype), mask=kv_mask)
-    tl.store(cache_v + half, tl.load(v_in + half, mask=kv_mask).to(cache_dtype), mask=kv_mask)
+    tl.store(cache_v, v1.to(cache_dtype), mask=kv_mask)
+    tl.store(cache_v + half, v2.to(cache_dtype), mask=kv_mask)
 
 
 def rotary_and_store_kv(
