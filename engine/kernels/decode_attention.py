@@ -102,8 +102,7 @@ def _decode_chunk_kernel(
     part_lse_ptr,  # float32 [capacity, num_q_heads], log2 units
     scale,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,  # the next power of two
-    GROUP_ROWS: tl.constexpr,  # GROUP_PAD padded to a tensor-core tile
+    GROUP_ROWS: tl.constexpr,  # GROUP padded to a tensor-core tile
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # the next power of two
     PAGE: tl.constexpr,
@@ -181,79 +180,32 @@ def _decode_chunk_kernel(
         num_chunks = tl.cdiv(seq_len, chunk_tokens)
         if tl.atomic_add(done_at, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
             tl.store(done_at, 0)
-            out_at = out_ptr + seq * num_heads * HEAD_DIM
             first = tl.load(item_indptr_ptr + seq)
-            _merge_chunks(
-                part_out_ptr,
-                part_lse_ptr,
-                out_at,
-                first,
-                num_chunks,
-                kv_head,
-                num_heads,
-                GROUP,
-                GROUP_PAD,
-                HEAD_DIM,
-                HEAD_DIM_PAD,
-            )
-
-
-# Partial results a merge reads in one round of loads (more take more rounds).
-MERGE_CHUNKS = tl.constexpr(8)
-
-
-@triton.jit
-def _merge_chunks(
-    part_out_ptr,
-    part_lse_ptr,
-    out_at,  # this sequence's output, [num_heads, HEAD_DIM]
-    first,  # its first item
-    num_chunks,
-    kv_head,
-    num_heads,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,  # the next power of two
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):
-    # One KV head's group of query heads, merged over the sequence's chunks by their
-    # log-sum-exps. Loads bypass L1 (.cg): the other chunks' programs wrote them on other
-    # SMs. Up to MERGE_CHUNKS chunks at a time, so a few chunks cost one memory round trip.
-    chunks = tl.arange(0, MERGE_CHUNKS)
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    row_ok = rows < GROUP
-    dim_ok = dims < HEAD_DIM
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    weight = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for base in range(first, first + num_chunks, MERGE_CHUNKS):
-        parts = base + chunks
-        part_ok = parts < first + num_chunks
-        at = parts[:, None] * num_heads + heads[None, :]  # [chunks, rows]
-        lse = tl.load(
-            part_lse_ptr + at,
-            mask=part_ok[:, None] & row_ok[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        lse = tl.where(part_ok[:, None], lse, float("-inf"))
-        part = tl.load(
-            part_out_ptr + at[:, :, None] * HEAD_DIM + dims[None, None, :],
-            mask=(part_ok[:, None] & row_ok[None, :])[:, :, None] & dim_ok[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(lse - m_new[None, :])
-        acc = acc * alpha[:, None] + tl.sum(part * beta[:, :, None], 0)
-        weight = weight * alpha + tl.sum(beta, 0)
-        m = m_new
-    merged = (acc / weight[:, None]).to(out_at.dtype.element_ty)
-    ok = row_ok[:, None] & dim_ok[None, :]
-    tl.store(out_at + heads[:, None] * HEAD_DIM + dims[None, :], merged, mask=ok)
+            m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+            weight = tl.zeros([GROUP_ROWS], tl.float32)
+            acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], tl.float32)
+            for part in range(first, first + num_chunks):
+                # .cg: from L2, where the other chunks' programs wrote, not this SM's L1
+                lse = tl.load(
+                    part_lse_ptr + part * num_heads + heads,
+                    mask=row_ok,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                out_part = tl.load(
+                    part_out_ptr + part * num_heads * HEAD_DIM + at,
+                    mask=ok,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_new = tl.maximum(m, lse)
+                alpha = tl.exp2(m - m_new)
+                beta = tl.exp2(lse - m_new)
+                acc = acc * alpha[:, None] + out_part * beta[:, None]
+                weight = weight * alpha + beta
+                m = m_new
+            merged = (acc / weight[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + seq * num_heads * HEAD_DIM + at, merged, mask=ok)
 
 
 class DecodeWorkspace:
@@ -364,7 +316,6 @@ def paged_decode_attention(
         work.part_lse,
         scale,
         GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
         GROUP_ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
