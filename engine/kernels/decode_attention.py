@@ -6,8 +6,7 @@ split into items, each one chunk of the same number of tokens of one sequence, a
 kernel runs one program per (item, KV head): it streams the chunk's K and V once for all
 the query heads of its group (padded to a tensor-core tile), with an online softmax. A
 sequence of one chunk writes its output directly; the chunks of a longer one leave
-partial outputs and log-sum-exps, and the last of them to finish merges them (one
-counter per sequence and KV head), so a layer's decode is one launch.
+partial outputs and log-sum-exps that a second kernel merges.
 
 Why: flashinfer's decode kernels give every (sequence, KV head) one thread block at the
 batch sizes of a busy server, so each layer's attention ends with its longest sequences
@@ -31,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from engine.kernels.triton_kernels import _pdl_options
+from engine.kernels.triton_kernels import _pdl_options, _pdl_start
 
 # Chunks never shorter than this many tokens: below it a program's start-up outweighs its
 # reading.
@@ -94,9 +93,7 @@ def _decode_chunk_kernel(
     seq_lens_ptr,
     item_seq_ptr,
     item_chunk_ptr,
-    item_indptr_ptr,
     split_ptr,  # int32 [2]: number of items, chunk length in tokens
-    done_ptr,  # int32 [B, num_kv_heads]: chunks finished, back to 0 after the merge
     out_ptr,  # [B, num_q_heads, HEAD_DIM], contiguous
     part_out_ptr,  # float32 [capacity, num_q_heads, HEAD_DIM]
     part_lse_ptr,  # float32 [capacity, num_q_heads], log2 units
@@ -172,40 +169,44 @@ def _decode_chunk_kernel(
     else:
         tl.store(part_out_ptr + item * num_heads * HEAD_DIM + at, acc, mask=ok)
         tl.store(part_lse_ptr + item * num_heads + heads, m + tl.log2(denom), mask=row_ok)
-        # The last of the sequence's chunks to finish (for this KV head) merges them all.
-        # The barrier puts all of this program's stores before its count, and the count's
-        # release / acquire orders every chunk's stores before the merge's loads.
-        tl.debug_barrier()
-        done_at = done_ptr + seq * tl.num_programs(1) + kv_head
-        num_chunks = tl.cdiv(seq_len, chunk_tokens)
-        if tl.atomic_add(done_at, 1, sem="acq_rel", scope="gpu") == num_chunks - 1:
-            tl.store(done_at, 0)
-            first = tl.load(item_indptr_ptr + seq)
-            m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
-            weight = tl.zeros([GROUP_ROWS], tl.float32)
-            acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], tl.float32)
-            for part in range(first, first + num_chunks):
-                # .cg: from L2, where the other chunks' programs wrote, not this SM's L1
-                lse = tl.load(
-                    part_lse_ptr + part * num_heads + heads,
-                    mask=row_ok,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                out_part = tl.load(
-                    part_out_ptr + part * num_heads * HEAD_DIM + at,
-                    mask=ok,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_new = tl.maximum(m, lse)
-                alpha = tl.exp2(m - m_new)
-                beta = tl.exp2(lse - m_new)
-                acc = acc * alpha[:, None] + out_part * beta[:, None]
-                weight = weight * alpha + beta
-                m = m_new
-            merged = (acc / weight[:, None]).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + seq * num_heads * HEAD_DIM + at, merged, mask=ok)
+
+
+@triton.jit
+def _merge_chunks_kernel(
+    item_indptr_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl_start(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(item_indptr_ptr + seq)
+    last = tl.load(item_indptr_ptr + seq + 1)
+    if last - first == 1:  # written whole by the chunk kernel
+        return
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    m = tl.full([], float("-inf"), tl.float32)
+    weight = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for item in range(first, last):
+        lse = tl.load(part_lse_ptr + item * num_heads + head)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(lse - m_new)
+        part = tl.load(
+            part_out_ptr + (item * num_heads + head) * HEAD_DIM + dims, mask=dim_ok, other=0.0
+        )
+        acc = acc * alpha + part * beta
+        weight = weight * alpha + beta
+        m = m_new
+    merged = (acc / weight).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, merged, mask=dim_ok)
 
 
 class DecodeWorkspace:
@@ -214,8 +215,7 @@ class DecodeWorkspace:
     `plan` (int32) holds a step's whole plan, which host_plan() lays out for one
     copy: the page table's indptr [B + 1], the sequence lengths [B], each sequence's items
     [B + 1], the item count and chunk length [2], then each item's sequence and chunk index
-    [capacity each]. The float buffers take the partial results of split sequences, and
-    `done` counts each (sequence, KV head)'s finished chunks during a launch."""
+    [capacity each]. The float buffers take the partial results of split sequences."""
 
     def __init__(
         self,
@@ -242,8 +242,6 @@ class DecodeWorkspace:
         ) = (self.plan[start:end] for start, end in zip(self._at[:-1], self._at[1:]))
         self.part_out = torch.empty(capacity, num_q_heads, head_dim, device=device)
         self.part_lse = torch.empty(capacity, num_q_heads, device=device)
-        # one counter per (sequence, KV head): num_q_heads bounds the KV heads
-        self.done = torch.zeros(batch_size * num_q_heads, dtype=torch.int32, device=device)
 
     @staticmethod
     def _plan_sizes(batch_size: int, capacity: int) -> list[int]:
@@ -256,8 +254,7 @@ class DecodeWorkspace:
         """Device memory a workspace of DecodeConfig.for_batch's configuration takes."""
         capacity = batch_size + DecodeConfig.for_batch(batch_size).items_per_sm * num_sms
         plan = sum(cls._plan_sizes(batch_size, capacity))
-        done = batch_size * num_q_heads
-        return 4 * (plan + done + capacity * num_q_heads * (head_dim + 1))  # + part_out, part_lse
+        return 4 * (plan + capacity * num_q_heads * (head_dim + 1))  # + part_out, part_lse
 
     def host_plan(self, seq_lens: np.ndarray, kv_indptr: np.ndarray) -> np.ndarray:
         """The step's `plan`, for sequences of seq_lens tokens whose pages kv_indptr gives."""
@@ -308,9 +305,7 @@ def paged_decode_attention(
         work.seq_lens,
         work.item_seq,
         work.item_chunk,
-        work.item_indptr,
         work.split,
-        work.done,
         out,
         work.part_out,
         work.part_lse,
@@ -323,6 +318,17 @@ def paged_decode_attention(
         BLOCK_N=work.config.block_n,
         num_warps=4,
         num_stages=work.config.num_stages,
+        **pdl,
+    )
+    _merge_chunks_kernel[(batch, num_q_heads)](
+        work.item_indptr,
+        out,
+        work.part_out,
+        work.part_lse,
+        num_q_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        num_warps=1,
         **pdl,
     )
     return out
