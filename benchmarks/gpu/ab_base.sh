@@ -6,14 +6,15 @@
 # patch is applied to its own copy of the commit's engine: several experiments, one call.
 #
 #   bash benchmarks/gpu/ab_base.sh <commit> [patch ...]
+#   AB_KEEP=1 bash benchmarks/gpu/ab_base.sh <another commit>   # adds to those staged
 #   run(command="BENCH_COMMIT=<this commit> bash benchmarks/gpu/run.sh bench bench-base",
 #       carry=[".whl", ".ficache.tgz", ".ab_base"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 commit=$(git rev-parse --short "${1:?usage: ab_base.sh <commit> [patch ...]}")
 shift
-rm -rf .ab_base
-mkdir .ab_base
+[ -n "${AB_KEEP:-}" ] || rm -rf .ab_base
+mkdir -p .ab_base
 stage() {  # stage <label> [patch]
     local dir=.ab_base/$1
     mkdir "$dir"
