@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.triton_kernels import _pdl_options, _pdl_start
+from engine.kernels.triton_kernels import _pdl_options
 
 # Chunks never shorter than this many tokens: below it a program's start-up outweighs its
 # reading.
@@ -118,8 +118,9 @@ def _decode_chunk_kernel(
     start = tl.load(item_chunk_ptr + item) * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     first_block = tl.load(kv_indptr_ptr + seq)
-    if PDL:  # wait for q and the K/V just written; the merge launches after this kernel
+    if PDL:  # wait for q and the K/V just written; let the merge start launching
         gdc_wait()
+        gdc_launch_dependents()
 
     rows = tl.arange(0, GROUP_ROWS)
     heads = kv_head * GROUP + rows
@@ -182,11 +183,15 @@ def _merge_chunks_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _pdl_start(PDL)
+    # The plan is the host's, read while the chunk kernel still runs. Every program waits
+    # for that kernel, even one with nothing to merge: a kernel after this one may rely on
+    # this one's end to mean the chunk kernel's too.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     first = tl.load(item_indptr_ptr + seq)
     last = tl.load(item_indptr_ptr + seq + 1)
+    if PDL:
+        gdc_wait()
     if last - first == 1:  # written whole by the chunk kernel
         return
     dims = tl.arange(0, HEAD_DIM_PAD)
