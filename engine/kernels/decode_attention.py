@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
-from engine.kernels.triton_kernels import _pdl_options
+from engine.kernels.triton_kernels import _pdl_options, _pdl_start
 
 # Chunks never shorter than this many tokens: below it a program's start-up outweighs its
 # reading.
@@ -118,9 +118,7 @@ def _decode_chunk_kernel(
     start = tl.load(item_chunk_ptr + item) * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     first_block = tl.load(kv_indptr_ptr + seq)
-    if PDL:  # wait for q and the K/V just written; let the merge start launching
-        gdc_wait()
-        gdc_launch_dependents()
+    _pdl_start(PDL)  # wait for q and the K/V just written; let the merge start launching
 
     rows = tl.arange(0, GROUP_ROWS)
     heads = kv_head * GROUP + rows

@@ -41,8 +41,9 @@ def _pdl_options(device: torch.device) -> dict[str, bool]:
 
 @triton.jit
 def _pdl_start(PDL: tl.constexpr):
-    # Called first thing: nothing is read before the kernel before this one has finished
-    # (and its writes are visible); the next kernel may then start launching.
+    # Called before the kernel reads anything the kernel before it wrote: it waits for that
+    # kernel to finish (and its writes to be visible); the next kernel may then start
+    # launching. Most kernels call it first thing.
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
