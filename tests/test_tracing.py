@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -52,6 +53,9 @@ async def serve_and_call(tracer: RequestTracer, core: LLMEngine, request: bytes,
     """One RPC through a real grpc.aio server whose handler traces a real engine request."""
     engine = AsyncEngine(EngineThread(core))
     engine.start()
+    # The caller gets an aborted RPC's status before the handler's finally has run: the
+    # span is finished only once the handler says so, before the server stops.
+    handled = asyncio.Event()
 
     async def handler(request: bytes, context) -> bytes:
         span = tracer.start_request(RPC, context.invocation_metadata())
@@ -69,6 +73,7 @@ async def serve_and_call(tracer: RequestTracer, core: LLMEngine, request: bytes,
             raise
         finally:
             span.finish(rpc_status(context, error), finals)
+            handled.set()
 
     server = grpc.aio.server()
     methods = {"Run": grpc.unary_unary_rpc_method_handler(handler)}
@@ -81,6 +86,7 @@ async def serve_and_call(tracer: RequestTracer, core: LLMEngine, request: bytes,
                 await channel.unary_unary(f"/{RPC}")(request, metadata=metadata)
             except grpc.aio.AioRpcError:
                 pass
+        await asyncio.wait_for(handled.wait(), timeout=10)
     finally:
         await server.stop(0)
         engine.shutdown(timeout=5)
