@@ -126,8 +126,9 @@ class Scheduler:
             if n > budget:
                 if self.config.enable_chunked_prefill:
                     n = budget
-                elif out.chunks:
-                    break  # unchunked prompts run whole; this one waits for an emptier step
+                elif out.chunks:  # unchunked prompts run whole: wait for an emptier step,
+                    self._unmatch_prefix(seq)  # holding no cached blocks the running may need
+                    break
             if not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 self._unmatch_prefix(seq)
                 break

@@ -86,6 +86,25 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> int:
     return steps
 
 
+def test_an_unchunked_prompt_that_waits_holds_no_cached_blocks():
+    # Holding them, it could starve the running sequences of blocks: each preempts itself
+    # for want of them, and nothing is left to run (hypothesis found such a stall).
+    sched = new_scheduler(num_blocks=16, block_size=1, budget=4, chunked=False)
+    sched.add(make_seq([5, 6, 7], max_tokens=1))
+    run_to_completion(sched)  # leaves [5, 6, 7] in the prefix cache
+    decoding = make_seq([1], max_tokens=10)
+    sched.add(decoding)
+    fake_step(sched, sched.schedule())
+    waiting = make_seq([5, 6, 7, 20, 21, 22, 23, 24], max_tokens=1)  # 5 uncached > budget 4
+    sched.add(waiting)
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == [decoding]
+    assert waiting.block_table.block_ids == [] and waiting.num_computed_tokens == 0
+    sched.block_manager.check_invariants()
+    run_to_completion(sched)
+    assert sched.block_manager.num_used_blocks == 0
+
+
 def test_chunked_prefill_splits_long_prompt_while_decodes_continue():
     sched = new_scheduler(budget=16)
     short = make_seq(list(range(4)), max_tokens=50)
