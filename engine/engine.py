@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import time
+from array import array
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -205,7 +206,7 @@ class LLMEngine:
 
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=tuple(prompt_token_ids),
             params=params,
             max_tokens=max_tokens,
             priority=priority,
@@ -224,7 +225,7 @@ class LLMEngine:
             request=request,
             index=index,
             seed=candidate_seed(base_seed, index),
-            token_ids=list(request.prompt_token_ids),
+            token_ids=array("q", request.prompt_token_ids),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             ),
@@ -425,7 +426,7 @@ class LLMEngine:
             params=params,
             seed=seed,
             num_sampled=num_sampled,
-            prompt_ids=seq.request.prompt_token_ids if history else [],
+            prompt_ids=seq.request.prompt_token_ids if history else (),
             output_ids=seq.output_token_ids if history else [],
             banned_ids=banned,
         )

@@ -70,16 +70,19 @@ class LLM:
             if len(params_list) != len(token_lists):
                 raise ValueError("sampling_params must be one value or one per prompt")
 
-        request_ids = []
-        for tokens, params in zip(token_lists, params_list):
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, tokens, params)
-            request_ids.append(request_id)
-
-        builders = {
-            rid: RequestOutputBuilder.start(rid, tokens, params.n)
-            for rid, tokens, params in zip(request_ids, token_lists, params_list)
-        }
+        builders = {}
+        try:
+            for tokens, params in zip(token_lists, params_list):
+                request = self.engine.add_request(f"offline-{next(self._ids)}", tokens, params)
+                builders[request.request_id] = RequestOutputBuilder.start(
+                    request.request_id, request.prompt_token_ids, params.n
+                )
+        except Exception:  # a bad prompt or parameter: the batch runs all or nothing
+            for request_id in builders:
+                self.engine.abort_request(request_id)
+            raise
+        token_lists.clear()  # the requests hold them now, as tuples (see engine/request.py)
+        request_ids = list(builders)
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests:
             for event in self.engine.step():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -104,7 +106,11 @@ class RequestOutput:
 
     @classmethod
     def from_events(
-        cls, request_id: str, prompt_token_ids: list[int], n: int, events: list[CandidateEvent]
+        cls,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        n: int,
+        events: list[CandidateEvent],
     ) -> RequestOutput:
         builder = RequestOutputBuilder.start(request_id, prompt_token_ids, n)
         for ev in events:
@@ -119,25 +125,30 @@ class RequestOutputBuilder:
     It keeps a few lists per candidate, not the events: an offline batch of 256 requests of
     ~500 tokens each would otherwise hold ~270k event objects until the end, which every
     full pass of Python's garbage collector walks (~30 ms a pass on the GPU host, with the
-    GPU waiting)."""
+    GPU waiting). For the same reason the token ids wait in int64 arrays, and the prompt in
+    the request's tuple (engine/request.py): build() makes the lists."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: SequenceOf[int]
     outputs: list[CompletionOutput]
     texts: list[list[str]]  # per candidate, the text pieces, joined by build()
+    token_ids: list[array[int]]  # per candidate, the ids so far
     prompt_logprobs: list[TokenLogprob | None] | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
 
     @classmethod
-    def start(cls, request_id: str, prompt_token_ids: list[int], n: int) -> RequestOutputBuilder:
+    def start(
+        cls, request_id: str, prompt_token_ids: SequenceOf[int], n: int
+    ) -> RequestOutputBuilder:
         outputs = [CompletionOutput(i, "", [], None) for i in range(n)]
-        return cls(request_id, prompt_token_ids, outputs, [[] for _ in range(n)])
+        token_ids = [array("q") for _ in range(n)]
+        return cls(request_id, prompt_token_ids, outputs, [[] for _ in range(n)], token_ids)
 
     def add(self, ev: CandidateEvent) -> None:
         out = self.outputs[ev.index]
         self.texts[ev.index].append(ev.text)
-        out.token_ids += ev.token_ids
+        self.token_ids[ev.index].extend(ev.token_ids)
         if ev.logprobs is not None:
             out.logprobs = out.logprobs or []
             out.logprobs += ev.logprobs
@@ -158,9 +169,10 @@ class RequestOutputBuilder:
         return all(out.finish_reason is not None for out in self.outputs)
 
     def build(self) -> RequestOutput:
-        for out, pieces in zip(self.outputs, self.texts, strict=True):
+        for out, pieces, ids in zip(self.outputs, self.texts, self.token_ids, strict=True):
             out.text = "".join(pieces)
+            out.token_ids = ids.tolist()
         usage = Usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens)
         return RequestOutput(
-            self.request_id, self.prompt_token_ids, self.outputs, self.prompt_logprobs, usage
+            self.request_id, list(self.prompt_token_ids), self.outputs, self.prompt_logprobs, usage
         )

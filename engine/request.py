@@ -15,11 +15,17 @@ device (num_pending_tokens, with async scheduling): the next step can already co
 them, reading their ids on the device, before the host has read them back.
 A sequence samples its next token in the step whose chunk reaches num_tokens.
 Preemption by recompute frees the blocks and sets num_computed_tokens back to 0.
+
+Token ids live where Python's garbage collector does not walk them: a prompt in a tuple
+(untracked after the collector first sees it), a sequence's ids in an int64 array. In
+lists, every full pass of the collector visits each id: in an offline batch of 256
+requests, ~600k of them, 10-25 ms a pass with the GPU waiting for the next step.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -42,7 +48,7 @@ class SequenceStatus(Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     max_tokens: int  # params.max_tokens resolved against the context limit
     priority: int = 0  # higher runs first; FCFS among equals
@@ -77,7 +83,7 @@ class Sequence:
     request: Request
     index: int  # candidate index within the request
     seed: int  # drives this candidate's sampling, independent of its batch-mates
-    token_ids: list[int]
+    token_ids: array[int]  # int64 ("q"): prompt + output so far
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
     block_table: BlockTable = field(default_factory=lambda: BlockTable([]))
@@ -111,7 +117,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ class SampleRow:
     seed: int
     num_sampled: int  # output tokens sampled before this one: the row's random counter
     # The token history, which only penalties read: empty for rows without one.
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]  # the request's prompt_token_ids
     output_ids: list[int]  # complete whenever the row uses a penalty
     banned_ids: list[int]  # e.g. EOS and stop token ids while below min_tokens
 
@@ -249,7 +250,7 @@ class ModelRunner:
         )
         # Short token histories: their [rows, history] tensors are small beside the
         # [rows, vocab] ones.
-        rows = [SampleRow(0, params, 0, 16, [1] * 16, [2] * 16, [3]) for _ in range(num_seqs)]
+        rows = [SampleRow(0, params, 0, 16, (1,) * 16, [2] * 16, [3]) for _ in range(num_seqs)]
         tensors = self._sampling_tensors(rows)
         picked, *sampling = upload(
             [np.arange(num_seqs, dtype=np.int64) % num_tokens, *_tensor_arrays(tensors)],
@@ -490,7 +491,7 @@ def _with_tensors(tensors: SamplingTensors, moved: list[torch.Tensor]) -> Sampli
 
 
 def _to_token_logprobs(
-    chosen: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor, targets: list[int]
+    chosen: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor, targets: Sequence[int]
 ) -> list[TokenLogprob]:
     chosen_l, ids_l, lps_l = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
     return [

@@ -285,6 +285,16 @@ def test_invalid_requests_fail_alone(llm, kwargs, field):
     assert_pool_empty(llm)
 
 
+def test_a_bad_prompt_in_a_batch_admits_none_of_it(llm):
+    good = [SamplingParams(max_tokens=4, **GREEDY)] * 2
+    with pytest.raises(ValidationError, match="token 1 is -3"):
+        llm.generate([[1, 2, 3], [4, -3]], good)
+    assert_pool_empty(llm)  # the good prompt before the bad one was taken back
+    (out,) = llm.generate([[1, 2, 3]], good[0])  # and the next batch does not see it
+    assert len(out.outputs[0].token_ids) == 4
+    assert_pool_empty(llm)
+
+
 def test_a_bad_token_id_is_named_by_its_index(llm):
     with pytest.raises(ValidationError, match=r"token 2 is True, expected an integer in \[0, "):
         llm.engine.add_request("bad", [5, 7, True, -1], SamplingParams(max_tokens=4))

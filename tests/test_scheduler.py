@@ -7,6 +7,7 @@ publish full blocks, append a token when a chunk samples, finish at a target len
 from __future__ import annotations
 
 import itertools
+from array import array
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -24,14 +25,14 @@ _arrivals = itertools.count()
 def make_seq(prompt: list[int], max_tokens: int, priority: int = 0) -> Sequence:
     request = Request(
         request_id=f"r{next(_arrivals)}",
-        prompt_token_ids=list(prompt),
+        prompt_token_ids=tuple(prompt),
         params=SamplingParams(max_tokens=max_tokens),
         max_tokens=max_tokens,
         priority=priority,
         arrival_order=next(_arrivals),
         forked=True,
     )
-    seq = Sequence(request, 0, 0, list(prompt), detokenizer=None, stop_matcher=None)
+    seq = Sequence(request, 0, 0, array("q", prompt), detokenizer=None, stop_matcher=None)
     request.sequences.append(seq)
     return seq
 
