@@ -206,11 +206,12 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
     ]
     llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=8))  # warm-up
     # Whole untimed runs first: on a fresh machine the first run of the workload has stalled
-    # for ~40 s in its prefill steps (a cache outside the carried ones), and a median of three
-    # with one such run is the slower of the other two.
+    # for ~40 s in its prefill steps (not in the carried caches; cause unknown), and a median
+    # of three with one such run is the slower of the other two. Their ids are shifted past
+    # the timed runs'.
     warmups = [
-        run_workload(llm, work, params, shift, f"warm-up {i + 1} of {args.warmup_runs}")
-        for i, shift in enumerate(range(args.repeats, args.repeats + args.warmup_runs))
+        run_workload(llm, work, params, args.repeats + i, f"warm-up {i + 1} of {args.warmup_runs}")
+        for i in range(args.warmup_runs)
     ]
     runs = [
         run_workload(llm, work, params, shift, f"run {shift + 1} of {args.repeats}")
@@ -229,7 +230,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
 
 
 def run_workload(llm, work: Workload, params: list, shift: int, label: str) -> dict:
-    """One timed run of the workload, every prompt token id plus `shift`."""
+    """One run of the workload, every prompt token id plus `shift`, and its timing."""
     prompts = [[token + shift for token in prompt] for prompt in work.prompts]
     torch.cuda.synchronize()
     start = time.perf_counter()
