@@ -3,7 +3,7 @@
 One new token per sequence attends to all of that sequence's KV in the paged pool
 ([num_blocks, 2, block_size, num_kv_heads, head_dim], the engine's layout). The work is
 split into items, each one chunk of the same number of tokens of one sequence, and the
-kernel runs one program per (item, KV head): it streams the chunk's K and V once for all
+kernel runs one program per (KV head, item): it streams the chunk's K and V once for all
 the query heads of its group (padded to a tensor-core tile), with an online softmax. A
 sequence of one chunk writes its output directly; the chunks of a longer one leave
 partial outputs and log-sum-exps that a second kernel merges.
@@ -12,7 +12,7 @@ Why: flashinfer's decode kernels give every (sequence, KV head) one thread block
 batch sizes of a busy server, so each layer's attention ends with its longest sequences
 running alone. Equal chunks, a couple per streaming multiprocessor and KV head, keep the
 whole GPU streaming KV to the end. On the H200, at the offline workload's decode steps,
-this kernel takes 164 / 169 / 125 / 79 / 45 us a layer against flashinfer's best
+this kernel takes 158 / 162 / 122 / 78 / 44 us a layer against flashinfer's best
 170 / 174 / 132 / 80 / 47 (benchmarks/RESULTS.md).
 
 The CUDA-graph decode runs it (engine/attention/flashinfer_backend.py): a DecodeWorkspace
@@ -108,8 +108,11 @@ def _decode_chunk_kernel(
 ):
     # The plan was copied in before the step, so its chain of dependent loads runs while
     # the kernel before this one (which writes q and the new K/V) still finishes.
-    item = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Heads are the grid's fastest axis: an item's programs start together and read the
+    # same pages' token rows (a token's KV heads lie side by side), 1-4% faster than items
+    # first at the workload's steps (benchmarks/RESULTS.md).
+    kv_head = tl.program_id(0)
+    item = tl.program_id(1)
     if item >= tl.load(split_ptr):
         return
     chunk_tokens = tl.load(split_ptr + 1)
@@ -161,7 +164,7 @@ def _decode_chunk_kernel(
     acc = acc / denom[:, None]
     at = heads[:, None] * HEAD_DIM + dims[None, :]
     ok = row_ok[:, None] & dim_ok[None, :]
-    num_heads = tl.num_programs(1) * GROUP
+    num_heads = tl.num_programs(0) * GROUP
     if (start == 0) & (end == seq_len):  # the whole sequence: the output itself
         whole = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + seq * num_heads * HEAD_DIM + at, whole, mask=ok)
@@ -294,7 +297,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
     pdl = _pdl_options(q.device)
-    _decode_chunk_kernel[(work.capacity, num_kv_heads)](
+    _decode_chunk_kernel[(num_kv_heads, work.capacity)](
         q,
         q.stride(0),
         q.stride(1),
