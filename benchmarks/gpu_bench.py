@@ -205,10 +205,11 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
     llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=8))  # warm-up
-    # Whole untimed runs first: on a fresh machine the first run of the workload has stalled
-    # for ~40 s in its prefill steps (not in the carried caches; cause unknown), and a median
-    # of three with one such run is the slower of the other two. Their ids are shifted past
-    # the timed runs'.
+    # Whole untimed runs first: in the first process of a device call the first run has
+    # stalled ~40 s in flashinfer's JIT build of the eager decode modules, which its first
+    # step mixing prefill and decode rows plans (results/h200-first-process-stall-stacks-
+    # 3187ba9.txt), and a median of three with one such run is the slower of the other two.
+    # Their ids are shifted past the timed runs'.
     warmups = [
         run_workload(llm, work, params, args.repeats + i, f"warm-up {i + 1} of {args.warmup_runs}")
         for i in range(args.warmup_runs)
