@@ -63,13 +63,16 @@ class RequestStream:
     that finds its mailbox full means the consumer stopped keeping up: the request is
     cancelled and iteration raises StreamOverflow. Only this request pays; the engine never
     waits for a consumer. A consumer that stops iterating before the end (it left the loop,
-    was cancelled, hit its deadline) cancels the request too.
+    was cancelled, hit its deadline) cancels the request too, as does cancel(), which a front
+    door calls the moment its caller is gone, wherever its handler is.
     """
 
     request_id: str
     n: int
     mailbox_size: int = 256
-    cancel: Callable[[], None] = lambda: None  # aborts the request in the engine
+    # Aborts this request (and no later one with its id) in the engine, counted under a door.
+    abort: Callable[[str], None] = lambda door: None
+    door: str = "api"  # the front door the request came in by: its callers' aborts count here
     _mailboxes: list[deque[CandidateEvent]] = field(default_factory=list)
     _finals: dict[int, CandidateEvent] = field(default_factory=dict)
     _done: set[int] = field(default_factory=set)
@@ -87,8 +90,14 @@ class RequestStream:
                 self._mailboxes[event.index].append(event)
             elif not self._overflowed:
                 self._overflowed = True
-                self.cancel()
+                self.abort("slow_reader")
         self._wakeup.set()
+
+    def cancel(self) -> None:
+        """The consumer is gone: abort the request unless every candidate has ended.
+        Idempotent; the engine ignores the abort of a request that ended meanwhile."""
+        if len(self._done) < self.n:
+            self.abort(self.door)
 
     def _next_event(self) -> CandidateEvent | None:
         """The next event to hand out: a candidate's step events, then its final one."""
@@ -122,8 +131,7 @@ class RequestStream:
                 else:
                     yield event
         finally:
-            if len(self._done) < self.n:
-                self.cancel()  # idempotent: a finished or unknown request is left alone
+            self.cancel()
 
 
 # ---- what crosses between AsyncEngine and the loop (plain values: they may be pickled) ----
@@ -141,6 +149,10 @@ class Submit:
 @dataclass
 class Cancel:
     request_id: str
+    door: str  # who asked: aborts are counted by door and stage (EngineStats.aborts)
+    # Only the request Submit(ticket) admitted, not a later one that reuses its id; if that
+    # Submit is in the same inbox drain, it is never admitted. None: whatever has the id.
+    ticket: int | None = None
 
 
 @dataclass
@@ -164,23 +176,37 @@ def run_engine_loop(
     deliver: Callable[[LoopOutput], None],
 ) -> None:
     """Drain the inbox, step, report; until a Stop. take(block) returns the items waiting
-    (block: wait a while for the first one, as there is nothing else to do)."""
+    (block: wait a while for the first one, as there is nothing else to do).
+
+    The inbox is drained before every step, so a cancel that arrives during step t takes
+    its request out before step t + 1: a caller who leaves costs at most the step already
+    running."""
+    tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
     while True:
         items = take(not engine.has_unfinished_requests)
         if items:
             admissions, events = [], []
+            withdrawn = {
+                i.ticket: i for i in items if isinstance(i, Cancel) and i.ticket is not None
+            }
             for item in items:
                 if isinstance(item, Stop):
                     return
-                if isinstance(item, Cancel):
-                    events += engine.abort_request(item.request_id)
-                else:
-                    admissions.append((item.ticket, _admit(engine, item)))
+                if isinstance(item, Submit) and item.ticket in withdrawn:
+                    engine.count_abort(withdrawn[item.ticket].door, "inbox")
+                    admissions.append((item.ticket, EngineError("cancelled before admission")))
+                elif isinstance(item, Submit):
+                    error = _admit(engine, item)
+                    if error is None:
+                        tickets[item.request_id] = item.ticket
+                    admissions.append((item.ticket, error))
+                elif item.ticket is None or tickets.get(item.request_id) == item.ticket:
+                    events += engine.abort_request(item.request_id, item.door)
             # Reported before the step: a refused submit hears at once, and admitted
             # requests count as waiting while the step runs.
-            deliver(loop_output(engine, admissions, events))
+            deliver(loop_output(engine, admissions, events, tickets))
         if engine.has_unfinished_requests:
-            deliver(loop_output(engine, [], engine.step()))
+            deliver(loop_output(engine, [], engine.step(), tickets))
 
 
 def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
@@ -194,10 +220,16 @@ def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
 
 
 def loop_output(
-    engine: LLMEngine, admissions: list[tuple[int, EngineError | None]], events: list
+    engine: LLMEngine,
+    admissions: list[tuple[int, EngineError | None]],
+    events: list,
+    tickets: dict[str, int] | None = None,
 ) -> LoopOutput:
-    """What the loop reports after a drain or a step, with the engine's stats as of now."""
+    """What the loop reports after a drain or a step, with the engine's stats as of now;
+    the requests it reports finished leave `tickets`."""
     finished = {e.request_id for e in events if e.request_id not in engine.requests}
+    for request_id in finished if tickets is not None else ():
+        tickets.pop(request_id, None)
     return LoopOutput(admissions, events, finished, engine.stats())
 
 
@@ -339,8 +371,11 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        door: str = "api",
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it (or raises its ValidationError)."""
+        """Queue a request; returns once the engine accepted it (or raises its ValidationError).
+        door names the front door it came in by, under which its callers' aborts are counted.
+        A caller cancelled while it waits takes the request back with it."""
         if self._stopping or self.fatal_error is not None:
             raise EngineStopped(self.fatal_error or "the engine loop is stopped")
         if self.num_queued >= self.max_queued_requests:
@@ -348,10 +383,12 @@ class AsyncEngine:
                 f"request queue is full ({self.max_queued_requests} waiting); retry later"
             )
         loop = asyncio.get_running_loop()
-        stream = RequestStream(
-            request_id, params.n, self.mailbox_size, lambda: self.cancel(request_id)
-        )
         ticket = next(self._tickets)
+
+        def abort(by: str) -> None:
+            self.core.put(Cancel(request_id, by, ticket))
+
+        stream = RequestStream(request_id, params.n, self.mailbox_size, abort, door)
         admitted = loop.create_future()
         if not self.has_work:  # an idle loop delivers nothing: the stall clock starts now
             self._last_progress = time.monotonic()
@@ -359,7 +396,13 @@ class AsyncEngine:
         self.core.put(Submit(ticket, request_id, prompt_token_ids, params, priority))
         if self.fatal_error is not None and self._waiting.pop(ticket, None):
             raise EngineStopped(self.fatal_error)  # the loop died after the check above
-        await admitted
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            # The caller left before it heard back: the loop drops the Submit if it is still
+            # in the inbox, or aborts what it admitted. Its stream is never handed out.
+            stream.cancel()
+            raise
         return stream
 
     @property
@@ -369,9 +412,10 @@ class AsyncEngine:
         waiting = self.stats.num_waiting_requests if self.stats else 0
         return len(self._waiting) + waiting
 
-    def cancel(self, request_id: str) -> None:
-        """Abort a request from any thread; its final events say CANCELLED. Idempotent."""
-        self.core.put(Cancel(request_id))  # never refused: a cancel only frees work
+    def cancel(self, request_id: str, door: str = "cancel_rpc") -> None:
+        """Abort whatever request has this id, from any thread; its final events say
+        CANCELLED. Idempotent. Counted under door."""
+        self.core.put(Cancel(request_id, door))  # never refused: a cancel only frees work
 
     async def generate(
         self,
@@ -379,9 +423,10 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        door: str = "api",
     ) -> AsyncIterator[CandidateEvent]:
         """Submit and iterate; leaving the loop early (or being cancelled) aborts the request."""
-        stream = await self.submit(request_id, prompt_token_ids, params, priority)
+        stream = await self.submit(request_id, prompt_token_ids, params, priority, door)
         async for event in stream:
             yield event
 

@@ -8,6 +8,7 @@ drive this object; neither it nor they know about gRPC or HTTP.
 from __future__ import annotations
 
 import atexit
+import collections
 import gc
 import itertools
 import logging
@@ -54,6 +55,17 @@ class _StepInFlight:
     pending_rows: dict[Sequence, int]  # sequences whose next token it samples -> its row
     launched: LaunchedStep
     collect_before_next: bool  # the next schedule needs this step's tokens on the host
+
+
+def abort_stage(request: Request) -> str:
+    """Where a request is in its life: waiting (never run), prefill, decode, or preempted
+    (waiting to be recomputed). With a candidate running, its stage is the request's."""
+    live = [s for s in request.sequences if not s.is_finished]
+    running = [s for s in live if s.status is SequenceStatus.RUNNING]
+    if running:
+        prefilling = any(s.num_computed_tokens < s.num_prompt_tokens for s in running)
+        return "prefill" if prefilling else "decode"
+    return "preempted" if any(s.num_preemptions for s in live) else "waiting"
 
 
 def candidate_seed(seed: int, index: int) -> int:
@@ -135,6 +147,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.aborts: collections.Counter[tuple[str, str]] = collections.Counter()
         # What start-up built (the model, the tokenizer, the block manager's blocks) lives
         # as long as the engine: keep it out of the collector's full passes, which would
         # otherwise walk it all again and again, a pause of ~0.3 s each on a GPU host.
@@ -232,9 +245,16 @@ class LLMEngine:
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
 
-    def abort_request(self, request_id: str) -> list[CandidateEvent]:
-        """Cancel a request; returns its final CANCELLED events (empty if unknown/finished)."""
+    def abort_request(self, request_id: str, door: str = "api") -> list[CandidateEvent]:
+        """Cancel a request; returns its final CANCELLED events (empty if unknown/finished).
+        Counted in stats().aborts under door (who asked) and the stage the request was at."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.count_abort(door, abort_stage(request))
         return self._finish_request(request_id, FinishReason.CANCELLED, None)
+
+    def count_abort(self, door: str, stage: str) -> None:
+        self.aborts[door, stage] += 1
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -268,6 +288,7 @@ class LLMEngine:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,
+            aborts=tuple((door, stage, n) for (door, stage), n in sorted(self.aborts.items())),
         )
 
     # ---- one step ---------------------------------------------------------------------

@@ -23,9 +23,9 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import uvicorn
@@ -61,6 +61,7 @@ from service.server import (
 )
 from service.tls import TlsFiles
 
+T = TypeVar("T")
 RETRY_AFTER_SECONDS = "1"  # HTTP's Retry-After counts whole seconds
 _FINISH_REASONS = {
     FinishReason.LENGTH: "length",
@@ -339,9 +340,7 @@ class _Api:
         except Exception as exc:
             raise api_error(exc) from None
         names = {"prompt_token_ids": "prompt"}
-        gen = await self._submit(
-            engine, "cmpl", "completion", prompts, params, body.priority, names
-        )
+        gen = await self._submit(engine, "cmpl", "completion", prompts, params, body, names)
         # After the engine checked the ids: decoding one that is not a token id can raise.
         gen.echo_texts = [tokenizer.decode(p) if body.echo else "" for p in prompts]
         return await self._respond(gen, engine.tokenizer, body, request)
@@ -356,7 +355,7 @@ class _Api:
             prompt = convert.chat_token_ids(messages, engine.tokenizer, engine.info.max_model_len)
         except Exception as exc:
             raise api_error(exc, names) from None
-        gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body.priority, names)
+        gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body, names)
         return await self._respond(gen, engine.tokenizer, body, request)
 
     async def _submit(
@@ -366,16 +365,17 @@ class _Api:
         kind: str,
         prompts: list[list[int]],
         params,
-        priority: int,
+        body: CompletionRequest | ChatCompletionRequest,
         param_names: dict[str, str],
     ) -> _Generation:
         """One engine request per prompt; if one is refused, those already queued are cancelled."""
         gen_id = f"{prefix}-{uuid.uuid4().hex}"
+        door = "rest_stream" if body.stream else "rest_unary"
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = gen_id if len(prompts) == 1 else f"{gen_id}-{i}"
-                streams.append(await engine.submit(request_id, prompt, params, priority))
+                streams.append(await engine.submit(request_id, prompt, params, body.priority, door))
         except BaseException as exc:
             for stream in streams:
                 stream.cancel()
@@ -401,16 +401,10 @@ class _Api:
             chunks = self._sse(gen, tokenizer, body.include_usage)
             return _EventStream(chunks, media_type="text/event-stream")
         # A client that leaves before the whole answer is ready cancels its requests, as
-        # one leaving a stream does: nothing else would tell the engine.
-        answer = asyncio.ensure_future(self._full_answer(gen, tokenizer))
-        left = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait((answer, left), return_when=asyncio.FIRST_COMPLETED)
-        left.cancel()
-        if answer.done():
-            return answer.result()
-        answer.cancel()  # _merged's cleanup cancels the engine requests; counted as 499
-        await asyncio.gather(answer, return_exceptions=True)
-        return Response(status_code=499)  # nobody is there to read it
+        # one leaving a stream does: nothing else would tell the engine. (_merged's cleanup
+        # cancels them; counted as 499.)
+        answer = await _unless_disconnected(self._full_answer(gen, tokenizer), request.receive)
+        return Response(status_code=499) if answer is None else answer  # 499: nobody reads it
 
     async def _full_answer(self, gen: _Generation, tokenizer: Tokenizer) -> Response:
         with self.service.in_flight_call(), self._observed(gen) as status:
@@ -608,12 +602,13 @@ class _BodyLimit:
 
 
 class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator, however the response ends,
-    so a client that left cancels its engine requests at once rather than at GC time."""
+    """A StreamingResponse that stops the moment its client disconnects, whether or not it
+    was writing (a request still waiting for its first token writes nothing), and always
+    closes its body iterator, so the engine requests are cancelled at once, not at GC time."""
 
-    async def stream_response(self, send) -> None:
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().stream_response(send)
+            await _unless_disconnected(self.stream_response(send), receive)
         finally:
             await self.body_iterator.aclose()
 
@@ -633,11 +628,24 @@ def _sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (its body was read already: what comes next on the
-    channel is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def _unless_disconnected(work: Coroutine[Any, Any, T], receive) -> T | None:
+    """work's result; or, if the client disconnects first, None once work is cancelled.
+    The request's body was read already: what comes next from receive is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    left = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CandidateEvent]]:

@@ -202,6 +202,16 @@ class _EngineStatsCollector(Collector):
             stats.prefix_cache_hit_tokens,
         )
         yield _counter("engine_steps", "Model steps run.", stats.num_steps)
+        aborted = CounterMetricFamily(
+            "pagedserve_requests_aborted",
+            "Requests whose callers left or cancelled them, by the door they left by "
+            "(grpc_unary, grpc_stream, rest_unary, rest_stream, cancel_rpc, slow_reader) "
+            "and the stage they were at (inbox, waiting, prefill, decode, preempted).",
+            labels=["door", "stage"],
+        )
+        for door, stage, count in stats.aborts:
+            aborted.add_metric([door, stage], count)
+        yield aborted
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

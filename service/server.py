@@ -335,7 +335,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         with self._observed("Generate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            request_id, n, stream = await self._submit(engine, request, context)
+            request_id, n, stream = await self._submit(engine, request, context, "grpc_unary")
             events: list[CandidateEvent] = []
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
@@ -361,7 +361,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         with self._observed("StreamGenerate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            request_id, n, stream = await self._submit(engine, request, context)
+            request_id, n, stream = await self._submit(engine, request, context, "grpc_stream")
             tokenizer = engine.tokenizer
             texts = [""] * n  # filled only with log_requests
             try:
@@ -431,10 +431,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         )
 
     async def _submit(
-        self, engine: AsyncEngine, request: pb.GenerateRequest, context
+        self, engine: AsyncEngine, request: pb.GenerateRequest, context, door: str
     ) -> tuple[str, int, RequestStream]:
         """Validate, tokenize and queue; aborts the RPC with the right status on failure.
-        Returns the caller's request id; the stream carries the engine's (engine_request_id)."""
+        Returns the caller's request id; the stream carries the engine's (engine_request_id).
+        The moment the RPC ends, however it ends (the client cancels, its deadline passes,
+        its channel or process goes), the engine request is cancelled unless it finished:
+        a unary call writes nothing until its end, so no failed write would tell."""
         request_id = request.request_id or uuid.uuid4().hex  # 122 random bits: unguessable
         engine_id = engine_request_id(caller_scope(context), request_id)
         try:
@@ -443,7 +446,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             token_ids = convert.prompt_token_ids(
                 request, engine.tokenizer, max_tokens=engine.info.max_model_len
             )
-            stream = await engine.submit(engine_id, token_ids, params, request.priority)
+            stream = await engine.submit(engine_id, token_ids, params, request.priority, door)
         except ValidationError as exc:
             if exc.field == "request_id":  # the caller's own request with this id is running
                 message = f"request_id: {request_id!r} is already running"
@@ -456,6 +459,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except UnknownModel as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        context.add_done_callback(lambda _: stream.cancel())
         self.log_prompts(engine_id, [token_ids])
         return request_id, params.n, stream
 

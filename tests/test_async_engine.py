@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -136,17 +137,17 @@ async def test_events_a_slow_consumer_left_waiting_come_out_merged_in_order():
 
 async def test_full_mailbox_fails_only_that_stream():
     overflows = []
-    stream = RequestStream("r", 2, mailbox_size=4, cancel=lambda: overflows.append(1))
+    stream = RequestStream("r", 2, mailbox_size=4, abort=lambda door: overflows.append(door))
     stream._push([step_event(0, t) for t in range(6)])  # two more than the mailbox holds
     stream._push([step_event(0, 9)])
-    assert overflows == [1]  # the request is cancelled once
+    assert overflows == ["slow_reader"]  # the request is cancelled once
     with pytest.raises(StreamOverflow, match="fell behind by 4 events"):
         async for _ in stream:
             pass
 
 
 async def test_final_event_is_never_swallowed_by_a_full_mailbox():
-    stream = RequestStream("r", 2, mailbox_size=3, cancel=lambda: pytest.fail("cancelled"))
+    stream = RequestStream("r", 2, mailbox_size=3, abort=lambda door: pytest.fail("cancelled"))
     stream._push([step_event(0, t) for t in range(3)] + [final_event(0)])
     stream._push([step_event(1, 7), final_event(1), final_event(1)])  # a late duplicate too
     seen = [(e.index, e.token_ids, e.finished) async for e in stream]
@@ -155,4 +156,60 @@ async def test_final_event_is_never_swallowed_by_a_full_mailbox():
         (0, [], True),
         (1, [7], False),
         (1, [], True),
+    ]
+
+
+async def test_a_caller_who_leaves_before_admission_takes_its_request_back(engine):
+    ae = AsyncEngine(EngineThread(engine))  # not started: the Submit waits in the inbox
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    steps, inbox = engine.num_steps, engine.aborts["grpc_unary", "inbox"]
+    waiting = asyncio.ensure_future(ae.submit("gone", [1, 2, 3], params, door="grpc_unary"))
+    await asyncio.sleep(0)  # the Submit is in the inbox
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    ae.start()  # the loop meets the Submit and its withdrawal in one drain
+    try:
+        for _ in range(250):
+            if engine.aborts["grpc_unary", "inbox"] > inbox:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.aborts["grpc_unary", "inbox"] == inbox + 1
+        assert "gone" not in engine.requests and engine.num_steps == steps  # never ran
+        assert not ae.has_work
+    finally:
+        ae.shutdown(timeout=5)
+
+
+async def test_a_caller_cancelled_as_its_admission_arrives_takes_it_back(async_engine, engine):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    aborted = sum(engine.aborts.values())
+    waiting = asyncio.ensure_future(async_engine.submit("raced", [1, 2, 3], params))
+    await asyncio.sleep(0)  # the Submit is on its way
+    for _ in range(500):  # hold the event loop, so the admission cannot reach the caller
+        if "raced" in engine.requests:
+            break
+        time.sleep(0.01)
+    assert "raced" in engine.requests
+    waiting.cancel()  # admitted in the engine, but the caller never hears of it
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for _ in range(250):
+        if "raced" not in engine.requests:
+            break
+        await asyncio.sleep(0.02)
+    assert "raced" not in engine.requests
+    assert sum(engine.aborts.values()) == aborted + 1  # aborted, not run to max_tokens
+
+
+async def test_a_late_abort_never_reaches_a_later_request_with_the_same_id(async_engine):
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    first = await async_engine.submit("reused", [1, 2], short)
+    assert [e.finish_reason async for e in first if e.finished] == [FinishReason.LENGTH]
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    second = await async_engine.submit("reused", [1, 2, 3], long)
+    first.abort("api")  # what the first stream's cleanup would send, arriving late
+    finals = [e async for e in second if e.finished]
+    assert [(f.finish_reason, f.usage.completion_tokens) for f in finals] == [
+        (FinishReason.LENGTH, 30)
     ]

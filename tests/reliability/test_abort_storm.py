@@ -1,8 +1,9 @@
 """Abort storm (CI size): a real gRPC server on loopback over a tiny model, with requests
 cancelled at random moments through all three doors (the Cancel RPC, the client going
 away, the deadline) while queued, mid-prefill (long prompts, chunked into small steps)
-and mid-decode. Afterwards nothing is left behind: no KV block used, no request running
-or waiting, no extra asyncio task or thread, and the server still generates correctly.
+and mid-decode. One second after the last call ended nothing is left behind: no KV block
+used, no request running or waiting, no extra asyncio task or thread, no token sampled
+since, and the server still generates correctly.
 The long version is this test with STORM_REQUESTS set (docs/RELIABILITY.md):
 
     STORM_REQUESTS=1000 python -m pytest -q -s tests/reliability/test_abort_storm.py
@@ -147,12 +148,12 @@ async def test_abort_storm_leaves_nothing_behind(tiny_model):
             )
             took = time.monotonic() - start
 
-            for _ in range(500):  # cancels are asynchronous: let the loop catch up
-                stats = engine.stats
-                idle = stats.num_running_requests == stats.num_waiting_requests == 0
-                if idle and not engine.has_work and live_tasks_and_threads() == baseline:
-                    break
-                await asyncio.sleep(0.02)
+            # The promise is due now, not whenever the engine idles: one second after the
+            # last call ended nothing is left, and no token is sampled after that.
+            await asyncio.sleep(1.0)
+            stats = engine.stats
+            await asyncio.sleep(0.5)
+            assert engine.stats.num_generated_tokens == stats.num_generated_tokens
             counts = collections.Counter(results)
             print(f"\n{NUM_REQUESTS} requests in {took:.1f} s, {stats.num_preemptions} preemptions")
             for (door, outcome, when), count in sorted(counts.items()):
