@@ -2,11 +2,15 @@
 # pagedserve images (k8s/README.md deploys them):
 #   CPU (default):  docker build -t pagedserve:cpu .
 #   GPU:            docker build --build-arg VARIANT=gpu -t pagedserve:gpu .
+#   CPU, no registry: k8s/build-cpu-image.sh (podman, on a debootstrap'd Debian base)
 # VARIANT picks the base: slim Python for cpu, the CUDA toolkit for gpu. The builder
 # stage makes a venv on that same base and the final stage copies only the venv, the
 # pre-fetched default model and nothing else.
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# The CPU base's interpreter: the python images keep theirs in /usr/local; a plain Debian
+# base (k8s/build-cpu-image.sh makes one with debootstrap) has its own in /usr/bin.
+ARG CPU_PYTHON=/usr/local/bin/python3
 # flashinfer compiles its attention kernels with nvcc on first use (once per pod start
 # unless FLASHINFER_WORKSPACE_BASE sits on a volume), so the GPU image needs the toolkit, not
 # just the runtime. Match its CUDA major version to torch's: python -c "import torch;
@@ -14,7 +18,8 @@ ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.9.1-devel-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base-cpu
-ENV PYTHON=/usr/local/bin/python3
+ARG CPU_PYTHON
+ENV PYTHON=${CPU_PYTHON}
 
 FROM ${CUDA_IMAGE} AS base-gpu
 # Ubuntu 24.04's python3 is 3.12, as on the CPU image; the distribution's own version of it.
@@ -42,6 +47,9 @@ ARG VARIANT
 # to keep it small.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_PIP_ARGS=
+# A CA bundle pip trusts instead of its own, for a build behind a TLS-inspecting proxy: the
+# builder mounts the file for the build alone (k8s/build-cpu-image.sh does); unset, pip's own.
+ARG PIP_CERT
 # torch is pinned; hadolint takes $TORCH_PIP_ARGS for an unpinned package.
 # hadolint ignore=DL3013
 RUN "$PYTHON" -m venv /opt/venv \
