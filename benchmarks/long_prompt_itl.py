@@ -63,7 +63,7 @@ def measure(args: argparse.Namespace, chunk: int | None, work: Workload) -> dict
     )
     extra = () if chunked else ("--no-chunked-prefill",)
     rows = {}
-    with started_server(settings, extra) as (target, pid):
+    with started_server(settings, extra) as (target, pid, _):
         asyncio.run(wait_ready(target, args.server_timeout))
         asyncio.run(one_round(target, work, args.streams, True, args.arrive_after))  # warm-up
         for case in ("streams alone", "long prompt arrives"):

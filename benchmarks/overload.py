@@ -141,7 +141,7 @@ def main() -> None:
         "--http-port", str(http_port),
         "--metrics-port", str(metrics_port),
     ]  # fmt: skip
-    with started_server(args, extra) as (target, _):
+    with started_server(args, extra) as (target, _, _):
         asyncio.run(run(target, http_port, f"http://127.0.0.1:{metrics_port}/metrics", args))
 
 

@@ -9,7 +9,9 @@ Requests take the workload's prompts in order (the same seeded workload as offli
 stop when they run out. Every request is a StreamGenerate of token ids with ignore_eos, so
 TTFT and inter-token latency are timed here, on the client, per streamed message.
 
-Windows, from the first timed send (two untimed warm-up requests go before it):
+Windows, from the first timed send (`--warmup-requests` untimed requests go before it;
+none by default, so a started server is measured from the moment it reports SERVING, as
+its first callers meet it):
   warm-up      [0, --warmup): completions are not counted;
   measurement  [--warmup, --warmup + --duration), or until the last request finished when
                --duration is not given; no new request is sent once it closes;
@@ -26,7 +28,7 @@ to other processes: on a shared machine, a run with a large "others_s" is not a 
 
 `--start-server` runs `python -m service.cli serve` on a free port with prefix caching off
 (re-sent prompts must not hit the cache), waits for the health service to report SERVING
-and stops it with SIGTERM at the end. `--compare-offline` then runs engine.llm.LLM
+(the time that took is reported as time_to_ready_s) and stops it with SIGTERM at the end. `--compare-offline` then runs engine.llm.LLM
 in-process with the same engine settings (max_num_seqs defaults to the concurrency), after
 the server has exited, so the two never share the CPU.
 """
@@ -190,11 +192,14 @@ async def poisson(
 async def run_load(
     args: argparse.Namespace, target: str, work: Workload, server_pids: list[int]
 ) -> dict:
-    warm = make_workload(replace(WorkloadSpec.from_args(args), num_prompts=2, seed=args.seed + 1))
+    warm = make_workload(
+        replace(WorkloadSpec.from_args(args), num_prompts=args.warmup_requests, seed=args.seed + 1)
+    )
     await wait_ready(target, args.server_timeout)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        for record in await asyncio.gather(*(send(stub, warm, i, args.timeout) for i in (0, 1))):
+        untimed = range(args.warmup_requests)
+        for record in await asyncio.gather(*(send(stub, warm, i, args.timeout) for i in untimed)):
             if record.error:
                 raise SystemExit(f"warm-up request failed: {record.error}")
         cpu = CpuShare([os.getpid(), *server_pids]).start()
@@ -296,18 +301,20 @@ def free_port() -> int:
 def started_server(
     args: argparse.Namespace, extra: Sequence[str] = ()
 ) -> Iterator[tuple[str, int]]:
-    """Yields the server's address and pid; `extra` are more `serve` flags."""
+    """Yields the server's address, pid and the seconds from its start to SERVING; `extra`
+    are more `serve` flags."""
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--log-level", "INFO"]
     cmd += ["--host", "127.0.0.1", "--grpc-port", str(port), "--no-prefix-caching", *extra]
     for name, value in engine_flags(args).items():
         if value is not None:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     target = f"127.0.0.1:{port}"
     try:
         asyncio.run(wait_ready(target, args.server_timeout, proc))
-        yield target, proc.pid
+        yield target, proc.pid, time.monotonic() - started
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -403,6 +410,9 @@ def main() -> None:
     mode.add_argument("--concurrency", type=int, help="closed loop with this many workers")
     mode.add_argument("--request-rate", type=float, help="Poisson arrivals, requests/s")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds not counted (default 0)")
+    p.add_argument(
+        "--warmup-requests", type=int, default=0, help="untimed requests first (default 0)"
+    )
     p.add_argument("--duration", type=float, default=None, help="measurement seconds")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s")
     add_workload_args(p, num_prompts=64)
@@ -423,7 +433,9 @@ def main() -> None:
     result: dict = {**run_info(), "settings": vars(args) | {"json_out": str(args.json_out)}}
     result["workload"] = work.describe()
     if args.start_server:
-        with started_server(args) as (target, pid):
+        with started_server(args) as (target, pid, time_to_ready):
+            print(f"server SERVING {time_to_ready:.1f} s after its start")
+            result["time_to_ready_s"] = round(time_to_ready, 2)
             result["serving"] = asyncio.run(run_load(args, target, work, [pid]))
     else:  # the target's CPU time counts as "others" unless it is ours
         result["serving"] = asyncio.run(run_load(args, args.target, work, []))

@@ -259,7 +259,7 @@ def main() -> None:
     if args.start_server:
         metrics_port = free_port()
         extra = ("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port))
-        with started_server(args, extra) as (target, pid):
+        with started_server(args, extra) as (target, pid, _):
             flat = asyncio.run(soak(args, target, pid, f"http://127.0.0.1:{metrics_port}/metrics"))
     else:
         if args.pid is None or args.metrics_url is None:

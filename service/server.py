@@ -56,6 +56,7 @@ request_log = logging.getLogger("service.requests")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
 WATCHDOG_SECONDS = 1.0  # how often the watchdog looks at the engine
+KEEPALIVE_MS = 20_000  # ping an idle connection this often; no answer this long: it is gone
 
 
 @dataclass(frozen=True)
@@ -552,6 +553,10 @@ async def start_server(config: ServerConfig) -> Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        # A client that vanishes without closing its connection (its host gone, a network
+        # cut) stops answering pings: its calls end then, and with them their requests.
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
     ]
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
     interceptors = []
