@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import httpx2 as httpx
 import psutil
+import pydantic
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,6 +29,12 @@ from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.convert import MAX_CHAT_MESSAGES, MAX_PROMPTS
+from service.openai_schema import (
+    MAX_LIST_ENTRIES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+)
 from service.server import SERVICE_NAME, ServerConfig
 from tests.server_process import free_port, start_server_process
 from tests.test_grpc_server import kv_back_to_zero, serving
@@ -418,3 +425,32 @@ async def test_extremes_against_a_server_process_with_its_own_engine_process(tin
         assert tried["refused"] == len(refusals) > 300, tried
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "model,body",
+    [
+        (CompletionRequest, {"prompt": [[1]] * 1_000_000}),
+        (CompletionRequest, {"prompt": [[1] + ["x"] * 1_000_000]}),
+        (CompletionRequest, {"prompt": "x", "stop_token_ids": ["x"] * 1_000_000}),
+        (ChatCompletionRequest, {"messages": [{"role": "u"}] * 1_000_000}),
+        (DetokenizeRequest, {"tokens": ["x"] * 1_000_000}),
+    ],
+    ids=["prompt lists", "prompt bad ids", "stop_token_ids", "messages", "tokens"],
+)
+def test_a_long_list_is_refused_with_one_error_not_one_per_entry(model, body):
+    # pydantic records an error per entry under each type a field may have: 12 MiB of
+    # [[1], [1], ...] made 1.9 GB of them. A list past MAX_LIST_ENTRIES that is not all
+    # token ids is refused whole, before its entries are validated.
+    with pytest.raises(pydantic.ValidationError) as err:
+        model.model_validate(body)
+    assert len(err.value.errors()) == 1, err.value.errors()[:3]
+    assert f"at most {MAX_LIST_ENTRIES} entries unless all are token ids" in str(err.value)
+
+
+def test_a_long_list_of_token_ids_is_validated_once():
+    # Token ids are the one long list a body may hold; they match list[int] first, with no
+    # error recorded for each id under the prompt's other types.
+    ids = [1] * 1_000_000
+    assert CompletionRequest.model_validate({"prompt": ids}).prompt == ids
+    assert DetokenizeRequest.model_validate({"tokens": ids}).tokens == ids
