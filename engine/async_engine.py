@@ -32,7 +32,7 @@ from typing import Protocol
 from engine.engine import LLMEngine
 from engine.errors import EngineError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, validate_request
 from engine.stats import EngineInfo, EngineStats
 from engine.tokenizer import Tokenizer
 
@@ -378,6 +378,13 @@ class AsyncEngine:
         A caller cancelled while it waits takes the request back with it."""
         if self._stopping or self.fatal_error is not None:
             raise EngineStopped(self.fatal_error or "the engine loop is stopped")
+        # Before anything is built from the request's sizes (n mailboxes here, a copy for
+        # the engine's process): an n of 10**9 is refused, not allocated. The engine checks
+        # again on admission.
+        info = self.info
+        validate_request(
+            params, priority, info.vocab_size, len(prompt_token_ids), info.max_model_len
+        )
         if self.num_queued >= self.max_queued_requests:
             raise EngineOverloaded(
                 f"request queue is full ({self.max_queued_requests} waiting); retry later"

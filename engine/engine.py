@@ -30,7 +30,7 @@ from engine.model_store import resolve_model
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.request import Request, Sequence, SequenceStatus
 from engine.runner import LaunchedStep, ModelRunner, PendingTokens, SampleRow, kv_bytes_per_block
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.stats import EngineInfo, EngineStats
 from engine.stop_strings import StopStringMatcher
@@ -182,7 +182,7 @@ class LLMEngine:
     ) -> Request:
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
-        params.validate(self.model_config.vocab_size)
+        validate_request(params, priority, self.model_config.vocab_size)
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
             raise ValidationError("prompt", "must not be empty")

@@ -18,6 +18,8 @@ MAX_PENALTY = 2.0  # presence / frequency penalties live in [-MAX_PENALTY, MAX_P
 GREEDY_TEMPERATURE = 1e-5
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # gRPC's int32; REST is held to the same
 
 
 @dataclass
@@ -83,6 +85,36 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
 
 
+def validate_request(
+    params: SamplingParams,
+    priority: object,
+    vocab_size: int | None,
+    prompt_tokens: int | None = None,
+    context: int | None = None,
+) -> None:
+    """What a request brings besides its prompt's ids: its SamplingParams, its priority,
+    and (given the context) whether a prompt of prompt_tokens leaves room to generate."""
+    params.validate(vocab_size)
+    _check_int("priority", priority, low=PRIORITY_MIN, high=PRIORITY_MAX)
+    if prompt_tokens is not None and context is not None:
+        check_prompt_length(prompt_tokens, context)
+
+
+def check_prompt_length(count: int, context: int) -> None:
+    """A prompt of `count` tokens leaves room for at least one more in the context."""
+    if count >= context:
+        raise ValidationError(
+            "prompt",
+            f"{count} tokens leave no room to generate: the context limit is {context} tokens",
+        )
+
+
+def check_count(name: str, count: int, limit: int, what: str) -> None:
+    """At most `limit` entries: checked on a list's length before it is copied or walked."""
+    if count > limit:
+        raise ValidationError(name, f"at most {limit} {what}, got {count}")
+
+
 def _is_int(value: object) -> bool:
     # bool is a subclass of int, but True is never a meaningful count or seed.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -110,7 +142,8 @@ def _check_float(
     )
     if not (_is_int(value) or isinstance(value, float)):
         raise ValidationError(name, f"must be a number {allowed}, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
+    # The sampler works in float32: a larger value (1e308 from JSON) would be infinite there.
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
         raise ValidationError(name, f"must be a finite number {allowed}, got {value}")
     below = value <= low if low_open else value < low
     if below or (high is not None and value > high):
@@ -121,8 +154,7 @@ def _check_stop(stop: object) -> None:
     # A bare string is iterable and would silently become one stop string per character.
     if not isinstance(stop, (list, tuple)):
         raise ValidationError("stop", f"must be a list of strings, got {type(stop).__name__}")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValidationError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    check_count("stop", len(stop), MAX_STOP_STRINGS, "stop strings")
     for i, text in enumerate(stop):
         if not isinstance(text, str):
             raise ValidationError("stop", f"entry {i} must be a string, got {text!r}")
@@ -137,8 +169,7 @@ def _check_stop(stop: object) -> None:
 def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
     if not isinstance(ids, (list, tuple)):
         raise ValidationError("stop_token_ids", f"must be a list of integers, got {ids!r}")
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ValidationError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    check_count("stop_token_ids", len(ids), MAX_STOP_TOKEN_IDS, "ids")
     high = vocab_size - 1 if vocab_size is not None else None
     allowed = f"in [0, {high}]" if high is not None else ">= 0"
     for i, token_id in enumerate(ids):

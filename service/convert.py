@@ -8,9 +8,22 @@ from google.protobuf.message import DecodeError, Message
 
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestTiming, TokenLogprob, Usage
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import (
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    check_count,
+    check_prompt_length,
+)
 from engine.tokenizer import Tokenizer
 from pagedserve.v1 import inference_pb2 as pb
+
+# Messages in one chat prompt. Each renders to a few tokens at least, so more cannot fit
+# any context this serves; bounded before a message is copied out of the request.
+MAX_CHAT_MESSAGES = 4096
+# Prompts in one REST completions request (each is an engine request; past the queue's
+# room they get 429), bounded before any is encoded.
+MAX_PROMPTS = 1024
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -82,6 +95,9 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     """The request's options as SamplingParams; unset fields keep the engine's defaults."""
     s, stop, out = request.sampling, request.stopping, request.output
+    # Counted before they are copied: a message can hold millions of entries.
+    check_count("stop", len(stop.stop), MAX_STOP_STRINGS, "stop strings")
+    check_count("stop_token_ids", len(stop.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     params = SamplingParams(
         stop=list(stop.stop),
         stop_token_ids=list(stop.stop_token_ids),
@@ -117,9 +133,11 @@ def prompt_token_ids(
     tokenizer: Tokenizer,
     add_special_tokens: bool = True,
     max_tokens: int | None = None,
+    field: str = "prompt",
 ) -> list[int]:
     """Token ids of the prompt, whichever of text / chat / token_ids the request carries.
-    With max_tokens (the context length), text that cannot fit is refused unencoded."""
+    With max_tokens (the context length), text that cannot fit is refused unencoded (the
+    error names `field` for text, messages for chat), and so are token ids that fill it."""
     oneof = "prompt" if isinstance(request, pb.GenerateRequest) else "input"
     kind = request.WhichOneof(oneof)
     if kind is None:  # name this request's own oneof and its choices
@@ -127,12 +145,22 @@ def prompt_token_ids(
         raise ValidationError(oneof, f"set one of {', '.join(others)} or {last}")
     if kind == "text":
         return tokenizer.encode(
-            request.text, add_special_tokens=add_special_tokens, max_tokens=max_tokens
+            request.text, add_special_tokens=add_special_tokens, max_tokens=max_tokens, field=field
         )
     if kind == "chat":
+        check_count("messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return chat_token_ids(messages, tokenizer, max_tokens)
-    return list(request.token_ids.ids)
+    ids = request.token_ids.ids
+    if max_tokens is not None:  # before the ids are copied into a list
+        check_prompt_length(len(ids), max_tokens)
+    return list(ids)
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """REST's chat messages as the template's dicts, counted first (MAX_CHAT_MESSAGES)."""
+    check_count("messages", len(messages), MAX_CHAT_MESSAGES, "messages")
+    return [m.as_dict() for m in messages]
 
 
 def chat_token_ids(

@@ -44,6 +44,7 @@ from engine.async_engine import (
 )
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
+from engine.sampling_params import check_count
 from engine.tokenizer import Tokenizer
 from service import convert
 from service.openai_schema import (
@@ -234,10 +235,15 @@ def create_app(
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "prompt: give exactly one of prompt, messages", param="prompt")
         try:
+            # Generate's guards: text that cannot fit the context is refused unencoded.
+            limit = engine.info.max_model_len
             if body.messages is not None:
-                ids = convert.chat_token_ids([m.as_dict() for m in body.messages], engine.tokenizer)
+                messages = convert.chat_messages(body.messages)
+                ids = convert.chat_token_ids(messages, engine.tokenizer, limit)
             else:
-                ids = engine.tokenizer.encode(body.prompt, body.add_special_tokens)
+                ids = engine.tokenizer.encode(
+                    body.prompt, body.add_special_tokens, max_tokens=limit
+                )
         except ValidationError as exc:
             raise api_error(exc) from None
         return {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
@@ -333,9 +339,10 @@ class _Api:
             params = body.sampling_params()
             tokenizer = engine.tokenizer
             limit = engine.info.max_model_len
+            texts = body.prompts()
+            check_count("prompt", len(texts), convert.MAX_PROMPTS, "prompts")  # before encoding
             prompts = [
-                p if isinstance(p, list) else tokenizer.encode(p, max_tokens=limit)
-                for p in body.prompts()
+                p if isinstance(p, list) else tokenizer.encode(p, max_tokens=limit) for p in texts
             ]
         except Exception as exc:
             raise api_error(exc) from None
@@ -351,7 +358,7 @@ class _Api:
         try:
             self.service.check_model(body.model or "")
             params = body.sampling_params()
-            messages = [m.as_dict() for m in body.messages]
+            messages = convert.chat_messages(body.messages)
             prompt = convert.chat_token_ids(messages, engine.tokenizer, engine.info.max_model_len)
         except Exception as exc:
             raise api_error(exc, names) from None

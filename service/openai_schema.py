@@ -14,11 +14,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
+from service.convert import MAX_CHAT_MESSAGES
+
+# The longest list of anything but token ids a body may hold: chat messages.
+MAX_LIST_ENTRIES = MAX_CHAT_MESSAGES
 
 
 def _no_surrogates(value: Any) -> Any:
     """JSON may spell a lone UTF-16 surrogate ("\\ud800"), which is no character: no
-    tokenizer or UTF-8 encoder takes it, so it is refused here, naming its field."""
+    tokenizer or UTF-8 encoder takes it, so it is refused here, naming its field.
+
+    Lists longer than MAX_LIST_ENTRIES are refused here too unless every entry is an
+    integer (token ids): pydantic would validate each entry, and record an error for each
+    under every type a field may have (1 GB of errors for 12 MiB of [[1], [1], ...])."""
     if isinstance(value, str) and not value.isascii():
         try:
             value.encode()
@@ -26,6 +34,13 @@ def _no_surrogates(value: Any) -> Any:
             message = f"is not valid Unicode text: a lone UTF-16 surrogate at index {exc.start}"
             raise ValueError(message) from None
     elif isinstance(value, list | tuple):
+        if len(value) > MAX_LIST_ENTRIES:
+            if set(map(type, value)) <= {int}:  # one pass in C; ints hold no text
+                return value
+            raise ValueError(
+                f"at most {MAX_LIST_ENTRIES} entries unless all are token ids (integers), "
+                f"got {len(value)}"
+            )
         for item in value:
             _no_surrogates(item)
     elif isinstance(value, dict):
@@ -110,7 +125,9 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids first: a long list of them matches there, with no error recorded per id
+    # under the other types on the way.
+    prompt: list[int] | str | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None

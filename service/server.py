@@ -393,9 +393,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         with self._observed("Tokenize", context):
-            tokenizer = (await self._engine(context)).tokenizer
-            try:
-                ids = convert.prompt_token_ids(request, tokenizer, request.add_special_tokens)
+            engine = await self._engine(context)
+            tokenizer = engine.tokenizer
+            try:  # Generate's guard: text that cannot fit the context is refused unencoded
+                ids = convert.prompt_token_ids(
+                    request,
+                    tokenizer,
+                    request.add_special_tokens,
+                    max_tokens=engine.info.max_model_len,
+                    field="text",
+                )
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             tokens = [tokenizer.id_to_token(i) or "" for i in ids]

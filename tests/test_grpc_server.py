@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
+from engine.engine_process import EngineProcess
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
@@ -34,13 +35,20 @@ async def serving(
     max_queued_requests: int = 1024,
     mailbox_size: int = 256,
     start: bool = True,
+    engine_process: bool = False,
     **settings,
-) -> AsyncIterator[tuple[Server, LLMEngine, AsyncEngine]]:
+) -> AsyncIterator[tuple[Server, LLMEngine | None, AsyncEngine]]:
     """A ready server on a free loopback port over a tiny-model engine (started unless
-    start=False); stopped, with its engine, on the way out."""
+    start=False); stopped, with its engine, on the way out. With engine_process the
+    engine runs in a child process, and no LLMEngine is yielded (None)."""
     settings = {"num_blocks": 64, "block_size": 4, **settings}
-    core = LLMEngine(engine_config_from_flat(model=str(model), **settings))
-    engine = AsyncEngine(EngineThread(core), max_queued_requests, mailbox_size)
+    config = engine_config_from_flat(model=str(model), **settings)
+    core = None if engine_process else LLMEngine(config)
+    engine = AsyncEngine(
+        EngineProcess(config) if core is None else EngineThread(core),
+        max_queued_requests,
+        mailbox_size,
+    )
     if start:
         engine.start()
     srv = await start_server(server_config or ServerConfig(grpc_port=0))

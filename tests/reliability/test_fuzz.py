@@ -1,9 +1,12 @@
 """Bad input fuzzing (issue 7, item 5): hypothesis draws requests over every field of the
 gRPC GenerateRequest and TokenizeRequest and of the REST /v1/completions,
 /v1/chat/completions, /tokenize and /detokenize bodies
-(empty, huge, negative, NaN and infinities, out-of-vocab token ids, invalid UTF-8, thousands
-of stop strings, max_tokens beyond the context, wrong JSON types, unknown fields) and sends
-them to a real server on loopback, gRPC and REST on the same engine.
+(empty, huge, negative, NaN and infinities, every numeric type's extremes (uint32, int32,
+int64, float32 limits; 10**12 and 1e308 in JSON), out-of-vocab token ids, invalid UTF-8,
+lists far past their limits (stop strings, stop token ids, token-id prompts, chat messages,
+prompts in a batch), max_tokens beyond the context, wrong JSON types, unknown fields) and
+sends them to a real server on loopback, gRPC and REST on the same engine; a sample of both
+doors' cases again with the engine in a child process of its own.
 
 Every answer must be a success that is well formed, or a refusal the API documents for that
 input: INVALID_ARGUMENT / 400 whose message starts with the name of a field the request
@@ -32,6 +35,7 @@ from hypothesis import strategies as st
 
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
+from service import convert
 from service.server import SERVICE_NAME, ServerConfig
 from tests.test_grpc_server import greedy, kv_back_to_zero, serving
 from tests.tiny_models import SPECIAL_TOKENS, write_tiny_model
@@ -42,6 +46,9 @@ MAX_MESSAGE_BYTES = 256 * 1024  # small, so that over-limit messages are cheap t
 CONTEXT = 256  # num_blocks x block_size below: the context limit
 TIMEOUT = 60  # seconds for one call: a hang fails the test instead of stalling CI
 INT32, UINT32, INT64 = 2**31 - 1, 2**32 - 1, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_CHAT_MESSAGES, MAX_PROMPTS = convert.MAX_CHAT_MESSAGES, convert.MAX_PROMPTS
+FAR_PAST = 20_000  # entries of a list far past its limit, well within the message limit
 
 FUZZ = settings(
     max_examples=120,
@@ -99,7 +106,8 @@ class Doors:
         assert (await self.http.get("/health")).status_code == 200
         assert await self.greedy_tokens() == self.baseline
         await kv_back_to_zero(self.engine)
-        assert not self.core.requests and self.core.block_manager.num_used_blocks == 0
+        if self.core is not None:  # else in the engine's process: its stats said so above
+            assert not self.core.requests and self.core.block_manager.num_used_blocks == 0
 
 
 @pytest.fixture
@@ -108,7 +116,12 @@ async def doors(tiny_model, request):
         grpc_port=0, http_port=0, api_key=KEY, max_message_bytes=MAX_MESSAGE_BYTES
     )
     settings_ = dict(max_queued_requests=64, num_blocks=CONTEXT // 4, block_size=4)
-    async with serving(tiny_model, config, **settings_) as (srv, core, engine):
+    engine_process = getattr(request, "param", False)  # parametrized indirectly
+    async with serving(tiny_model, config, engine_process=engine_process, **settings_) as (
+        srv,
+        core,
+        engine,
+    ):
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel,
             httpx.AsyncClient(
@@ -179,23 +192,25 @@ GOOD_STOP = st.text(min_size=1, max_size=4)
 STOPS = st.one_of(st.lists(GOOD_STOP, max_size=3), sized(GOOD_STOP, [64]))
 BAD_STOPS = st.one_of(
     st.lists(st.one_of(GOOD_STOP, st.sampled_from(["", "x" * 257])), min_size=1, max_size=3),
-    sized(GOOD_STOP, [65, 3000]),
+    sized(GOOD_STOP, [65, 3000, FAR_PAST]),
 )
 GOOD_ID, BAD_ID = st.integers(0, 399), st.sampled_from([400, 401, 10**6, UINT32 - 1, UINT32])
 IDS = st.lists(GOOD_ID, min_size=1, max_size=8)
 BAD_IDS = st.one_of(
     st.lists(st.one_of(GOOD_ID, BAD_ID), max_size=8),
-    sized(GOOD_ID, [0, 256, 600]),  # no prompt, or one past the context
+    sized(GOOD_ID, [0, 256, 600, FAR_PAST]),  # no prompt, past the context, far past it
 )
 STOP_IDS = st.one_of(st.lists(GOOD_ID, max_size=3), sized(GOOD_ID, [64]))
-BAD_STOP_IDS = st.one_of(st.lists(BAD_ID, min_size=1, max_size=3), sized(GOOD_ID, [65, 2000]))
+BAD_STOP_IDS = st.one_of(
+    st.lists(BAD_ID, min_size=1, max_size=3), sized(GOOD_ID, [65, 2000, FAR_PAST])
+)
 NAN_INF = st.sampled_from([math.nan, math.inf, -math.inf])
 
 
 def floats(low: float, high: float):
     """(good, bad): values in [low, high]; NaN, infinities, values outside, any float32."""
     good = st.one_of(st.sampled_from([low, high]), st.floats(low, high, width=32))
-    outside = st.sampled_from([low - 1, high + 1, -1e38, 1e38])
+    outside = st.sampled_from([low - 1, high + 1, -1e38, 1e38, -FLOAT32_MAX, FLOAT32_MAX])
     return good, st.one_of(NAN_INF, outside, st.floats(width=32))
 
 
@@ -211,7 +226,8 @@ def set_prompt(draw, field: Fields, request, kinds: list[str]) -> None:
     elif prompt == "chat":
         role = st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), st.text())
         good = st.lists(st.tuples(role, GOOD_TEXT), min_size=1, max_size=3)
-        messages = field(good, st.lists(st.tuples(role, TEXT), max_size=3))
+        many = sized(st.tuples(st.just(""), st.just("")), [MAX_CHAT_MESSAGES + 1, FAR_PAST])
+        messages = field(good, st.lists(st.tuples(role, TEXT), max_size=3) | many)
         request.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in messages)
         request.chat.SetInParent()  # an empty chat is still "chat"
     elif prompt == "token_ids":
@@ -228,7 +244,10 @@ def generate_requests(draw) -> pb.GenerateRequest:
     uint = st.sampled_from([UINT32])
     fields = {
         "sampling": dict(
-            n=(st.integers(1, 3) | st.just(64), st.sampled_from([0, 65, 10**6, UINT32])),
+            n=(
+                st.integers(1, 3) | st.just(64),
+                st.sampled_from([0, 65, 10**6, 10**9, INT32, UINT32]),
+            ),
             temperature=floats(0.0, 2.0),
             top_k=(st.integers(-1, 500) | st.just(INT32), st.sampled_from([-2, -INT32 - 1])),
             top_p=floats(2**-20, 1.0),
@@ -236,17 +255,17 @@ def generate_requests(draw) -> pb.GenerateRequest:
             repetition_penalty=floats(0.125, 2.0),
             presence_penalty=floats(-2.0, 2.0),
             frequency_penalty=floats(-2.0, 2.0),
-            seed=(st.integers(-INT64 - 1, INT64), None),
+            seed=(st.integers(-INT64 - 1, INT64) | st.sampled_from([-INT64 - 1, -1, INT64]), None),
         ),
         "stopping": dict(
-            max_tokens=(st.integers(1, 8), st.sampled_from([0, 256, 300, UINT32])),
-            min_tokens=(st.integers(0, 1), st.sampled_from([9, 300, UINT32])),
+            max_tokens=(st.integers(1, 8), st.sampled_from([0, 256, 300, INT32, UINT32])),
+            min_tokens=(st.integers(0, 1), st.sampled_from([9, 300, INT32, UINT32])),
             ignore_eos=(st.booleans(), None),
             include_stop_str=(st.booleans(), None),
         ),
         "output": dict(
-            logprobs=(st.integers(0, 20), st.sampled_from([21, 10**6]) | uint),
-            prompt_logprobs=(st.integers(0, 20), st.sampled_from([21, 10**6]) | uint),
+            logprobs=(st.integers(0, 20), st.sampled_from([21, 10**6, INT32]) | uint),
+            prompt_logprobs=(st.integers(0, 20), st.sampled_from([21, 10**6, INT32]) | uint),
             skip_special_tokens=(st.booleans(), None),
         ),
     }
@@ -322,8 +341,14 @@ def check_grpc_candidates(request: pb.GenerateRequest, candidates: dict[int, lis
 @FUZZ
 @given(request=generate_requests(), streamed=st.booleans())
 async def test_grpc_generate_fuzz(doors, request, streamed):
+    await grpc_generate_case(doors, request, streamed)
+
+
+async def grpc_generate_case(doors: Doors, request: pb.GenerateRequest, streamed: bool) -> None:
     metadata = tuple(AUTH.items())
     door = "gRPC StreamGenerate" if streamed else "gRPC Generate"
+    if doors.core is None:
+        door += " (engine process)"
     try:
         if streamed:
             candidates: dict[int, list] = {}
@@ -467,7 +492,10 @@ JSON_ANY = st.recursive(
     ),
     max_leaves=5,
 )
-BIG_INT = st.sampled_from([-(2**70), -(2**63) - 1, -1, 2**31, 2**63, 2**70])
+BIG_INT = st.sampled_from(
+    [-(2**70), -(2**63) - 1, -(2**63), -1, 2**31, UINT32, INT64, 2**63, 2**70, 10**12]
+)
+HUGE_FLOAT = st.sampled_from([1e308, -1e308, 1e39])  # finite in JSON, infinite in float32
 # JSON can spell what is no text: lone UTF-16 surrogates ("\ud800" escapes).
 SURROGATES = st.sampled_from(["\ud800", "x\udc00y", "🙂\ud83d"])
 REST_BAD_TEXT = BAD_TEXT | SURROGATES
@@ -481,12 +509,13 @@ def rest(good, bad=None):
 
 def rest_floats(low: float, high: float):
     good, bad = floats(low, high)
-    return rest(st.one_of(good, st.integers(math.ceil(low), math.floor(high))), bad | BIG_INT)
+    good = st.one_of(good, st.integers(math.ceil(low), math.floor(high)))
+    return rest(good, bad | BIG_INT | HUGE_FLOAT)
 
 
 COMMON_FIELDS = dict(
     model=rest(st.sampled_from(["tiny"]), st.sampled_from(["gpt-4", ""])),
-    n=rest(st.integers(1, 3), st.sampled_from([0, -1, 65, 10**9]) | BIG_INT),
+    n=rest(st.integers(1, 3), st.sampled_from([0, -1, 65, 10**9, 1e308]) | BIG_INT),
     stop=rest(GOOD_STOP | STOPS, BAD_STOPS | SURROGATES),
     temperature=rest_floats(0.0, 2.0),
     top_p=rest_floats(2**-20, 1.0),
@@ -517,7 +546,7 @@ COMPLETION_FIELDS = dict(
             BAD_IDS,
             st.lists(REST_BAD_ID, min_size=1, max_size=3),
             st.lists(st.lists(GOOD_ID | REST_BAD_ID, max_size=4), max_size=3),
-            sized(st.just("hi"), [100]),  # more prompts than the queue holds
+            sized(st.just("hi"), [100, MAX_PROMPTS + 1, FAR_PAST]),  # past the queue, the limit
         ),
     ),
     max_tokens=rest(st.integers(1, 8), st.sampled_from([-1, 0, 256, 300, 10**6]) | BIG_INT),
@@ -559,7 +588,7 @@ CHAT_FIELDS = dict(
     tools=rest(st.just([]), st.just([{"type": "function"}])),
     response_format=rest(st.just({"type": "text"}), st.sampled_from([{"type": "json"}, {}])),
 )
-TOKENIZE_FIELDS = dict(  # /tokenize has no context limit: any text within the body limit
+TOKENIZE_FIELDS = dict(  # /tokenize: text that cannot fit the context is refused, as for prompts
     model=COMMON_FIELDS["model"],
     prompt=rest(GOOD_TEXT, REST_BAD_TEXT),
     add_special_tokens=rest(st.booleans()),
@@ -589,7 +618,7 @@ def rest_bodies(draw, path: str) -> dict:
     chat = path == "/v1/chat/completions"
     body = {}
     if chat:
-        messages = st.lists(st.just({"role": "user", "content": "hi"}), min_size=300, max_size=300)
+        messages = sized(st.just({"role": "u", "content": ""}), [300, MAX_CHAT_MESSAGES + 1])
         body["messages"] = field(chat_messages(field), st.one_of(JSON_ANY, messages))
     for name, values in (CHAT_FIELDS if chat else COMPLETION_FIELDS).items():
         if name == "messages":
@@ -688,7 +717,8 @@ async def rest_case(doors: Doors, path: str, body: dict, headers: dict) -> None:
     sent = dumps(body)
     headers = {"content-type": "application/json", **headers}
     response = await doors.http.post(path, content=sent, headers=headers)
-    TRIED[f"REST {path}", rest_answer(path, body, sent, headers, response)] += 1
+    door = f"REST {path}" + (" (engine process)" if doors.core is None else "")
+    TRIED[door, rest_answer(path, body, sent, headers, response)] += 1
 
 
 @FUZZ
@@ -701,6 +731,25 @@ async def test_rest_completions_fuzz(doors, body, headers):
 @given(body=rest_bodies("/v1/chat/completions"), headers=HEADERS)
 async def test_rest_chat_fuzz(doors, body, headers):
     await rest_case(doors, "/v1/chat/completions", body, headers)
+
+
+GENERATION_CASES = st.one_of(
+    st.tuples(st.just("gRPC"), generate_requests(), st.booleans()),
+    *(st.tuples(st.just(path), rest_bodies(path), HEADERS) for path in sorted(REQUIRED)),
+)
+
+
+@settings(FUZZ, max_examples=80)
+@given(case=GENERATION_CASES)
+@pytest.mark.parametrize("doors", [True], indirect=True, ids=["engine-process"])
+async def test_generation_fuzz_with_the_engine_in_its_own_process(doors, case):
+    """Generate / StreamGenerate and both REST generation paths, the engine in a child
+    process: a request's sizes and values reach it pickled, and must sink neither process."""
+    door, request, extra = case
+    if door == "gRPC":
+        await grpc_generate_case(doors, request, extra)
+    else:
+        await rest_case(doors, door, request, extra)
 
 
 @settings(FUZZ, max_examples=120)  # about 60 a path

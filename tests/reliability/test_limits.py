@@ -22,11 +22,13 @@ from engine.sampling_params import (
 )
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
+from service.convert import MAX_CHAT_MESSAGES
 from service.server import ServerConfig
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
 
 LIMIT_BYTES = 64 * 1024
+JSON = {"content-type": "application/json"}
 CONTEXT = 128  # num_blocks x block_size below
 TOKEN = 42  # prompts are token ids: k of them are k tokens, where text is not under BPE
 
@@ -171,6 +173,29 @@ async def test_prompt_tokens_and_max_tokens_against_the_context(doors):
         assert_refused(await http.post("/v1/chat/completions", json=body), 400, field)
 
 
+async def test_chat_message_count_at_both_doors(doors):
+    # At the limit the messages are rendered, and judged against the context (4,096 cannot
+    # fit in 128 tokens); one past it they are refused before any is copied, at every door.
+    stub, http = doors
+    for count, counted in ((MAX_CHAT_MESSAGES, False), (MAX_CHAT_MESSAGES + 1, True)):
+        messages = [pb.ChatMessage(role="user", content="hi")] * count
+        for call, request in (
+            (stub.Generate, pb.GenerateRequest(chat=pb.ChatMessages(messages=messages))),
+            (stub.Tokenize, pb.TokenizeRequest(chat=pb.ChatMessages(messages=messages))),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(request)
+            details = err.value.details()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert details.startswith("messages: ") and ("at most" in details) == counted, details
+        # Short, to stay within the body limit: a message with a role only.
+        body = json.dumps({"messages": [{"role": "u"}] * count}, separators=(",", ":"))
+        for path in ("/v1/chat/completions", "/tokenize"):
+            response = await http.post(path, content=body, headers=JSON)
+            assert_refused(response, 400, "messages")
+            assert ("at most" in response.json()["error"]["message"]) == counted
+
+
 async def test_message_size_limit_at_both_doors(doors):
     stub, http = doors
     big = "x" * LIMIT_BYTES
@@ -199,11 +224,19 @@ async def test_message_size_limit_at_both_doors(doors):
     assert err.value.details().startswith("response: "), err.value.details()
     finals = [m async for m in stub.StreamGenerate(request) if m.finish_reason]
     assert len(finals) == MAX_N
-    # So does a Tokenize answer over the limit (24 KB of emoji: 18,000 tokens).
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Tokenize(pb.TokenizeRequest(text="🙂" * 6000))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert err.value.details().startswith("response: "), err.value.details()
+
+
+async def test_a_tokenize_answer_over_the_message_limit_fails_cleanly(tiny_model):
+    # Text within the context's bound can still tokenize to an answer over a small message
+    # limit (1,600 emoji: 4,800 tokens over 16 KiB): RESOURCE_EXHAUSTED naming the response.
+    config = ServerConfig(grpc_port=0, max_message_bytes=16 * 1024)
+    async with serving(tiny_model, config, num_blocks=CONTEXT // 4, block_size=4) as (srv, _, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Tokenize(pb.TokenizeRequest(text="🙂" * 1600))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details().startswith("response: "), err.value.details()
 
 
 async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
@@ -292,6 +325,16 @@ async def test_text_that_cannot_fit_the_context_is_refused_unencoded(tiny_model)
             assert_refused(await http.post("/v1/completions", json=body), 400, "prompt")
             body = {"messages": [{"role": "user", "content": too_long}]}
             assert_refused(await http.post("/v1/chat/completions", json=body), 400, "messages")
+            # Tokenize has the same guard, at both doors.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Tokenize(pb.TokenizeRequest(text=too_long))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("text: ") and "cannot fit" in str(err.value)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Tokenize(pb.TokenizeRequest(chat=chat))
+            assert err.value.details().startswith("messages: "), err.value.details()
+            assert_refused(await http.post("/tokenize", json={"prompt": too_long}), 400, "prompt")
+            assert_refused(await http.post("/tokenize", json=body), 400, "messages")
             assert counting.encoded == 0
             # At the bound the text is encoded, then judged on its tokens.
             with pytest.raises(grpc.aio.AioRpcError) as err:
