@@ -9,7 +9,9 @@
 # forward on each engine benchmarks/gpu/ab_base.sh staged), host-costs, host-overhead,
 # linear, attention, attention-workload, bench, bench-base (bench on each staged engine),
 # bench-hf (adds transformers), bench-32k (32,768-token steps),
-# bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline), smollm2,
+# bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline),
+# serving-cold (the same from an empty kernel cache filled by `pagedserve warmup`, then
+# Poisson arrivals at 80% of the measured rate), smollm2,
 # profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, cprofile-prefill,
 # profile-run. flashinfer's JIT cache (and Triton's) lives in .ficache/ (git-ignored); it travels
 # as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
@@ -95,6 +97,26 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
         --concurrency 256 --num-prompts 256 --min-in 100 --max-in 1024 --min-out 100 \
         --max-out 1024 --max-num-batched-tokens 16384 --compare-offline \
         --json-out "$OUT/gpu-serving-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    # A pod's start on a fresh machine: no kernel cache carried in. `pagedserve warmup` fills
+    # an empty one (timed), a server started on it serves the nano-vllm workload at
+    # concurrency 256 from the moment it reports SERVING (no untimed requests), offline runs
+    # on the same cache, then a server serves Poisson arrivals at 80% of the measured rate.
+    serving-cold) model=/tmp/pagedserve-bench-models/qwen3-0.6b
+      shape=(--model $model --max-num-seqs 256 --max-num-batched-tokens 16384)
+      load=(--num-prompts 256 --min-in 100 --max-in 1024 --min-out 100 --max-out 1024)
+      python3 -c "from pathlib import Path; from benchmarks.gpu_bench import SHAPES, write_random_model; \
+write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
+      rm -rf .ficache/* && export PAGEDSERVE_KERNEL_CACHE_DIR=$PWD/.ficache &&
+      w0=$(date +%s) &&
+      python3 -m service.cli warmup "${shape[@]}" --no-prefix-caching --log-level INFO 2>&1 \
+        | tee -a "$OUT/log.txt" &&
+      echo "pagedserve warmup: $(( $(date +%s) - w0 )) s" | tee -a "$OUT/log.txt" &&
+      du -sh .ficache/triton .ficache/.cache/flashinfer 2>&1 | tee -a "$OUT/log.txt" &&
+      python3 benchmarks/serving.py --start-server "${shape[@]}" --concurrency 256 "${load[@]}" \
+        --compare-offline --json-out "$OUT/gpu-serving-cold.json" 2>&1 | tee -a "$OUT/log.txt" &&
+      rate=$(python3 -c "import json; print(0.8 * json.load(open('$OUT/gpu-serving-cold.json'))['serving']['window']['request_throughput'])") &&
+      python3 benchmarks/serving.py --start-server "${shape[@]}" --request-rate "$rate" "${load[@]}" \
+        --json-out "$OUT/gpu-serving-poisson.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt" ;;
