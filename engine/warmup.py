@@ -173,12 +173,12 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
 
     # Many decode rows: flashinfer's tensor-core decode; as many as a step can take.
     if isinstance(engine.runner.attn, FlashInferAttention):
-        rows = min(plan.max_seqs - 1, plan.budget - 1)
+        big_joiner = min(plan.block_size + 5, joiner_len)
+        # Unchunked, the joiner must fit whole beside the decode rows in one step's budget.
+        rows = min(plan.max_seqs - 1, plan.budget - (1 if plan.chunked else big_joiner))
         if rows >= TENSOR_CORE_MIN_BATCH:
             decodes = [_Prompt(plan.tokens(1), greedy(6)) for _ in range(rows)]
-            runner.mixed(
-                decodes, _Prompt(plan.tokens(min(plan.block_size + 5, joiner_len)), greedy())
-            )
+            runner.mixed(decodes, _Prompt(plan.tokens(big_joiner), greedy()))
 
     # Every CUDA-graph batch size a pure-decode step can reach (decode rows never exceed
     # the token budget): b one-token prompts, then one decode step of b rows. Half the
