@@ -11,10 +11,17 @@ ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 # The CPU base's interpreter: the python images keep theirs in /usr/local; a plain Debian
 # base (k8s/build-cpu-image.sh makes one with debootstrap) has its own in /usr/bin.
 ARG CPU_PYTHON=/usr/local/bin/python3
-# flashinfer compiles its attention kernels with nvcc on first use (once per pod start
-# unless FLASHINFER_WORKSPACE_BASE sits on a volume), so the GPU image needs the toolkit, not
-# just the runtime. Match its CUDA major version to torch's: python -c "import torch;
-# print(torch.version.cuda)".
+# flashinfer compiles its attention kernels with nvcc on first use, so the GPU image needs
+# the toolkit, not just the runtime. Match its CUDA major version to torch's: python -c
+# "import torch; print(torch.version.cuda)". The server builds every kernel it can run in
+# its warm-up, before readiness; to build them once instead of at every pod start, bake a
+# kernel cache (it needs a GPU, so not in `docker build`): run the image on a GPU build host
+# or as an init container with the serving settings and a volume at the cache directory,
+#   pagedserve warmup --kernel-cache-dir /var/cache/pagedserve/kernels   (same settings as serve)
+# and serve with PAGEDSERVE_KERNEL_CACHE_DIR pointing at the same volume (k8s/README.md).
+# flashinfer also ships prebuilt kernels as flashinfer-cubin and flashinfer-jit-cache (the
+# latter from flashinfer's own wheel index, per CUDA version); they must match the installed
+# flashinfer-python version exactly, so they are not pinned here.
 ARG CUDA_IMAGE=nvidia/cuda:12.9.1-devel-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base-cpu

@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.engine import LLMEngine
-from engine.errors import EngineError, ValidationError
+from engine.errors import EngineError, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams, validate_request
 from engine.stats import EngineInfo, EngineStats
 from engine.tokenizer import Tokenizer
+from engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -253,19 +254,34 @@ class EngineCore(Protocol):
 
 
 class EngineThread:
-    """The loop on a thread of this process, sharing its interpreter with the event loop."""
+    """The loop on a thread of this process, sharing its interpreter with the event loop.
 
-    def __init__(self, engine: LLMEngine):
+    With `warmup`, start() first runs engine/warmup.py on the loop's own thread (where
+    torch keeps that thread's state, such as its OpenMP pool) and returns only after it."""
+
+    def __init__(self, engine: LLMEngine, warmup: bool = True):
         self.engine = engine
+        self.warmup = warmup
         self.info = engine.info()
         self.tokenizer = engine.tokenizer
         self._inbox: queue.Queue[Submit | Cancel | Stop] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        deliver(loop_output(self.engine, [], []))  # the first stats, before any step
+        warmed = threading.Event()
+        failed: list[BaseException] = []
 
         def run() -> None:
+            try:
+                if self.warmup:
+                    warm_up(self.engine)
+                    self.info = self.engine.info()  # with the warm-up's time
+            except BaseException as exc:
+                failed.append(exc)
+                return
+            finally:
+                warmed.set()
+            deliver(loop_output(self.engine, [], []))  # the first stats, before any step
             try:
                 run_engine_loop(self.engine, self._take, deliver)
             except BaseException as exc:
@@ -274,6 +290,9 @@ class EngineThread:
 
         self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
+        warmed.wait()
+        if failed:
+            raise ModelLoadError(f"engine warm-up failed: {failed[0]}") from failed[0]
 
     def put(self, item: Submit | Cancel) -> None:
         self._inbox.put(item)

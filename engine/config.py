@@ -71,6 +71,10 @@ class EngineConfig:
     # Queue step t+1 before reading step t's tokens back (engine.step). None: on for CUDA,
     # off for the CPU, where the host computes the step itself and nothing would overlap.
     async_scheduling: bool | None = None
+    # Where Triton and flashinfer keep the kernels they build (<dir>/triton, flashinfer's
+    # <dir>/.cache/flashinfer), so a kernel built once (`pagedserve warmup`) is loaded, not
+    # compiled, by every later start. None: their own defaults under the home directory.
+    kernel_cache_dir: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -81,6 +85,8 @@ class EngineConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValidationError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.kernel_cache_dir is not None and not self.kernel_cache_dir.strip():
+            raise ValidationError("kernel_cache_dir", "must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
 

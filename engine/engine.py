@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import graph_batch_sizes, graph_memory_reserve
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
+from engine.kernel_cache import apply_kernel_cache_dir
 from engine.kv.block_manager import BlockManager, OutOfBlocksError
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
@@ -32,7 +33,7 @@ from engine.request import Request, Sequence, SequenceStatus
 from engine.runner import LaunchedStep, ModelRunner, PendingTokens, SampleRow, kv_bytes_per_block
 from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.stats import EngineInfo, EngineStats
+from engine.stats import EngineInfo, EngineStats, StartupTimes
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
@@ -82,6 +83,9 @@ def candidate_seed(seed: int, index: int) -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # Before anything imports triton or flashinfer: both read their cache paths then.
+        apply_kernel_cache_dir(config.kernel_cache_dir)
+        started = time.monotonic()
         model_path = resolve_model(config.model)
         self.model_path = model_path
         self.tokenizer = Tokenizer.from_path(model_path)
@@ -93,6 +97,9 @@ class LLMEngine:
         if isinstance(attn, FlashInferAttention):  # its wrappers need the model's head shape
             attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+
+        loaded = time.monotonic()
+        log.info("model loaded in %.2f s: %s", loaded - started, model_path)
 
         cache, sched, block_size = config.cache, config.scheduler, config.block_size
         use_graphs = on_gpu and not config.enforce_eager
@@ -121,8 +128,16 @@ class LLMEngine:
         self.max_model_len = min(
             model_len, self.model_config.max_position_embeddings, self.pool_tokens
         )
+        sized = time.monotonic()
+        log.info("KV pool sized and allocated in %.2f s", sized - loaded)
         if use_graphs:
             self.runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
+            log.info("CUDA graphs captured in %.2f s", time.monotonic() - sized)
+        self.startup = StartupTimes(
+            model_load=loaded - started,
+            kv_profile=sized - loaded,
+            cuda_graphs=time.monotonic() - sized if use_graphs else 0.0,
+        )
         log.info(
             "engine ready: %s on %s/%s, KV pool %d blocks of %d tokens (%.2f GiB, %d tokens), "
             "max_model_len %d, %s",
@@ -261,6 +276,20 @@ class LLMEngine:
         """Requests are running, or a step is still in flight (step() collects it)."""
         return bool(self.requests) or self._in_flight is not None
 
+    def reset_state(self) -> None:
+        """Forget all that ran, as if just built: after a warm-up, so that metrics and the
+        prefix cache see only real traffic, and unseeded requests draw the seeds a fresh
+        engine would. The engine must be idle."""
+        if self.has_unfinished_requests:
+            raise RuntimeError("reset_state needs an idle engine")
+        self.block_manager.reset()
+        self.scheduler.num_preemptions = 0
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(self.config.seed)
+        self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+
     def info(self) -> EngineInfo:
         return EngineInfo(
             model_path=str(self.model_path),
@@ -271,6 +300,7 @@ class LLMEngine:
             kv_block_size=self.block_manager.block_size,
             kv_num_blocks=self.block_manager.num_blocks,
             kv_capacity_tokens=self.pool_tokens,
+            startup=self.startup,
         )
 
     def stats(self) -> EngineStats:

@@ -6,7 +6,8 @@ a core at GPU speed. On one interpreter they take turns holding its lock, and th
 the GPU waits for gets stretched by the server's writes (benchmarks/RESULTS.md, serving on
 the H200). In a child process each has an interpreter of its own.
 
-How: the child is spawned (CUDA cannot be forked), builds the LLMEngine, reports ready
+How: the child is spawned (CUDA cannot be forked), builds the LLMEngine, runs the warm-up
+(engine/warmup.py, so the kernels are built in the process that runs them), reports ready
 with its EngineInfo and first stats, then runs engine.async_engine.run_engine_loop over
 two multiprocessing queues: requests in (Submit / Cancel / Stop), LoopOutputs out. Both
 queues have feeder threads, so a put never blocks either side: the event loop never waits
@@ -37,6 +38,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.stats import EngineInfo
 from engine.tokenizer import Tokenizer
+from engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,10 @@ class _Failed:
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, start_timeout: float | None = None):
+    def __init__(
+        self, config: EngineConfig, start_timeout: float | None = None, warmup: bool = True
+    ):
+        """With `warmup`, the child runs engine/warmup.py before it reports ready."""
         self.config = config
         self.start_timeout = start_timeout  # None: as long as loading the model takes
         context = mp.get_context("spawn")
@@ -67,7 +72,7 @@ class EngineProcess:
         self._outputs = context.Queue()
         self._process = context.Process(
             target=_child_main,
-            args=(config, self._requests, self._outputs, logging.getLogger().level),
+            args=(config, self._requests, self._outputs, logging.getLogger().level, warmup),
             name="pagedserve-engine",
             daemon=True,
         )
@@ -150,7 +155,9 @@ class EngineProcess:
 # ---- in the child ------------------------------------------------------------------------
 
 
-def _child_main(config: EngineConfig, requests: mp.Queue, outputs: mp.Queue, log_level: int):
+def _child_main(
+    config: EngineConfig, requests: mp.Queue, outputs: mp.Queue, log_level: int, warmup: bool
+):
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
@@ -158,6 +165,8 @@ def _child_main(config: EngineConfig, requests: mp.Queue, outputs: mp.Queue, log
 
     try:
         engine = LLMEngine(config)
+        if warmup:  # here, where the engine lives: its kernels are built in this process
+            warm_up(engine)
     except BaseException as exc:
         log.exception("engine start-up failed")
         outputs.put(_Failed(f"{type(exc).__name__}: {exc}"))

@@ -12,16 +12,30 @@ from engine.engine import LLMEngine
 from engine.outputs import RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.warmup import warm_up
 
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **settings):
-        """`settings` are flat engine knobs (device, dtype, block_size, num_blocks, ...)."""
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        warmup: bool = False,
+        **settings,
+    ):
+        """`settings` are flat engine knobs (device, dtype, block_size, num_blocks, ...).
+
+        warmup runs engine/warmup.py first. Off by default: offline there is no readiness
+        to hold back and no first caller to spare, and a batch pays a kernel's build once
+        either way; a benchmark that times steady state turns it on."""
         if config is None:
             config = engine_config_from_flat(model=model, **settings)
         self.engine = LLMEngine(config)
+        if warmup:
+            warm_up(self.engine)
         self._ids = itertools.count()
 
     @property

@@ -11,7 +11,23 @@ Both are plain values so they cross a process boundary as they are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """Seconds each start-up phase took in the process that built the engine (0: not run)."""
+
+    model_load: float = 0.0  # tokenizer and weights onto the device
+    kv_profile: float = 0.0  # the largest step profiled (CUDA), the KV pool sized and allocated
+    cuda_graphs: float = 0.0  # decode graphs captured
+    warmup: float = 0.0  # engine/warmup.py: every kernel path run once
+
+    def describe(self) -> str:
+        return (
+            f"model load {self.model_load:.2f} s, KV profile {self.kv_profile:.2f} s, "
+            f"CUDA graphs {self.cuda_graphs:.2f} s, warm-up {self.warmup:.2f} s"
+        )
 
 
 @dataclass(frozen=True)
@@ -24,6 +40,7 @@ class EngineInfo:
     kv_block_size: int
     kv_num_blocks: int
     kv_capacity_tokens: int
+    startup: StartupTimes = field(default_factory=StartupTimes)
 
 
 @dataclass(frozen=True)

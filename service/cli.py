@@ -1,4 +1,5 @@
-"""The `pagedserve` command line: generate offline, serve, call a server, manage the model cache.
+"""The `pagedserve` command line: generate offline, serve, warm a kernel cache, call a server,
+manage the model cache.
 
 Settings (engine, server, logging) come from flags, env vars and a config file; see
 service/settings.py and docs/CONFIG.md.
@@ -89,6 +90,24 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_warmup(args: argparse.Namespace, settings: Settings) -> int:
+    """Build the engine as `serve` would, run its warm-up and exit: with kernel_cache_dir
+    set, every kernel a server with these settings runs is then in that directory."""
+    from engine.engine import LLMEngine
+    from engine.warmup import warm_up
+
+    engine_config = settings.engine_config()
+    settings.server_config()  # the same settings as serve: a bad one fails here too
+    engine = LLMEngine(engine_config)
+    report = warm_up(engine)
+    where = engine_config.kernel_cache_dir or "the compilers' default caches"
+    print(
+        f"warm-up done: {report.num_requests} requests, {report.num_steps} steps; "
+        f"{engine.startup.describe()}; kernels in {where}"
+    )
+    return 0
+
+
 def cmd_client_generate(args: argparse.Namespace, settings: Settings) -> int:
     from google.protobuf.json_format import MessageToJson
 
@@ -160,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the gRPC server")
     add_settings_args(srv, "engine", "server", "log")
     srv.set_defaults(func=cmd_serve)
+
+    warm = sub.add_parser(
+        "warmup",
+        help="build the engine, run its warm-up and exit (fills --kernel-cache-dir)",
+    )
+    add_settings_args(warm, "engine", "server", "log")
+    warm.set_defaults(func=cmd_warmup)
 
     client = sub.add_parser("client", help="call a running server")
     client_sub = client.add_subparsers(dest="client_command", required=True)

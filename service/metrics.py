@@ -9,12 +9,13 @@ emits nothing while no engine is attached (the server starts before the model lo
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterator, Sequence
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import start_http_server as start_prometheus_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -76,6 +77,12 @@ class ServerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=self.registry,
         )
+        self.time_to_ready = Gauge(
+            "pagedserve_time_to_ready_seconds",
+            "Process start to readiness SERVING: model load, KV profile, CUDA graphs and "
+            "warm-up included (0 until ready).",
+            registry=self.registry,
+        )
         self.registry.register(_EngineStatsCollector(engine_stats))
         self._http: tuple[WSGIServer, Thread] | None = None
 
@@ -123,6 +130,19 @@ class ServerMetrics:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Fields after the command name, which may hold spaces; starttime is field 22.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def rpc_status(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:

@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -38,11 +39,10 @@ from engine.engine import LLMEngine
 from engine.engine_process import EngineProcess
 from engine.errors import EngineError, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
-from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert
-from service.metrics import ServerMetrics, rpc_status
+from service.metrics import ServerMetrics, process_age, rpc_status
 from service.tls import TlsFiles, caller_scope, check_tls_files, read_pem
 from service.tracing import TRACE_EXPORTERS, RequestTracer, configure_tracing
 
@@ -663,18 +663,33 @@ async def run_on_own_thread(fn, *args):
     return await done
 
 
-async def warm_up(engine: AsyncEngine) -> None:
-    """One request through prefill and decode, so the first real one pays no first-call costs."""
-    prompt = engine.tokenizer.encode("Hello") or [0]
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    async for event in engine.generate(f"warm-up-{uuid.uuid4().hex}", prompt, params):
-        if event.error:
-            raise ModelLoadError(f"warm-up request failed: {event.error}")
+def warm_up(engine: AsyncEngine) -> None:
+    """The front door's own first-call costs: a chat request with sampling, stopping and
+    output options through the same conversion a call takes (the chat template compiled,
+    the tokenizer's first encode). Nothing is submitted: the engine warmed itself up
+    (engine/warmup.py) before it reported ready, and metrics count only real traffic."""
+    tokenizer = engine.tokenizer
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingOptions(n=2, temperature=0.8, top_p=0.9, seed=0),
+        stopping=pb.StoppingOptions(max_tokens=2, stop=["\n"]),
+        output=pb.OutputOptions(logprobs=1, prompt_logprobs=1),
+    )
+    if tokenizer.has_chat_template:
+        request.chat.messages.add(role="user", content="Hello")
+    else:
+        request.text = "Hello"
+    try:
+        convert.sampling_params(request)
+        ids = convert.prompt_token_ids(request, tokenizer, max_tokens=engine.info.max_model_len)
+        tokenizer.decode(ids)
+    except ValidationError as exc:
+        raise ModelLoadError(f"warm-up request failed: {exc}") from exc
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain: readiness off, new work refused, in-flight
     requests finish within config.drain_seconds, exit."""
+    started = time.monotonic()  # with process_age(): the process's start, for time to ready
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -686,13 +701,23 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         log.info("gRPC health (plaintext) on %s:%d", config.host, server.health_port)
     if server.http is not None:
         log.info("REST (OpenAI-compatible, %s) on %s:%d", tls, config.http_host, server.http.port)
-    # Off the loop, so health checks are answered (NOT_SERVING) while the model loads.
+    # Off the loop, so health checks are answered (NOT_SERVING) while the model loads, its
+    # KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
     engine = await run_on_own_thread(load_engine, engine_config, config)
-    await warm_up(engine)
+    warm_up(engine)
     model_name = Path(engine.info.model_path).name
     await server.set_ready(engine, model_name)
+    ready_seconds = (process_age() or 0.0) + time.monotonic() - started
+    server.service.metrics.time_to_ready.set(ready_seconds)
     server.watch_engine(config.engine_stall_seconds)
-    log.info("serving %s on %s:%d", model_name, config.host, server.port)
+    log.info(
+        "serving %s on %s:%d, ready %.2f s after the process started (%s)",
+        model_name,
+        config.host,
+        server.port,
+        ready_seconds,
+        engine.info.startup.describe(),
+    )
     await stop.wait()
     log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)
     if not await server.drain(config.drain_seconds):

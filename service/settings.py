@@ -138,6 +138,13 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("engine", "enforce_eager", "CUDA: run every step eagerly, no CUDA graphs"),
     _setting(
         "engine",
+        "kernel_cache_dir",
+        "where Triton (<dir>/triton) and flashinfer (<dir>/.cache/flashinfer) keep the "
+        "kernels they build; fill it with `pagedserve warmup` and serve with the same "
+        "settings, so no start compiles. Unset: their defaults under the home directory",
+    ),
+    _setting(
+        "engine",
         "async_scheduling",
         "queue the next step before reading this one's tokens back; unset: on for CUDA only",
     ),

@@ -96,3 +96,13 @@ def test_default_model_answers_a_chat_question():
     record = json.loads(proc.stdout.splitlines()[0])
     assert "Paris" in record["text"]
     assert record["finish_reason"] in ("eos", "length")
+
+
+def test_warmup_builds_the_engine_warms_it_up_and_exits(tiny_model, tmp_path):
+    cache = tmp_path / "kernels"
+    command = [sys.executable, "-m", "service.cli", "warmup", "--model", str(tiny_model)]
+    command += ["--num-blocks", "64", "--max-num-seqs", "4", "--kernel-cache-dir", str(cache)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "warm-up done" in done.stdout and str(cache) in done.stdout
+    assert (cache / "triton").is_dir()  # pointed at, before anything could compile

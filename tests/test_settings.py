@@ -152,6 +152,7 @@ SAMPLES = {
     "max_model_len": 77,
     "engine_seed": 5,
     "enforce_eager": True,
+    "kernel_cache_dir": "/var/cache/pagedserve/kernels",
     "async_scheduling": True,
     "block_size": 32,
     "num_blocks": 9,

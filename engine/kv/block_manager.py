@@ -101,6 +101,11 @@ class BlockManager:
         return self._num_used_blocks
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks published in the prefix cache, held or not."""
+        return len(self._cached_block_ids)
+
+    @property
     def usage(self) -> float:
         return self._num_used_blocks / self.num_blocks
 
@@ -222,6 +227,18 @@ class BlockManager:
         table.last_hash = None
 
     def reset_prefix_cache_stats(self) -> None:
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def reset(self) -> None:
+        """Back to as built: every block free, the prefix cache empty, the stats zero. Only
+        when no table holds a block (after a warm-up, say); the KV values stay, unread."""
+        assert self._num_used_blocks == 0, f"{self._num_used_blocks} blocks are still held"
+        for block_id in self._evictable_block_ids:  # only cached blocks keep content when free
+            self._blocks[block_id].content = None
+        self._free_block_ids = deque(range(self.num_blocks))
+        self._evictable_block_ids.clear()
+        self._cached_block_ids.clear()
+        self._next_prefix_id = itertools.count()
         self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- internals --------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""Ready means full speed: `pagedserve serve` as a real process on a tiny model, whose first
+request after readiness turns SERVING is as quick to its first token as the same request
+sent again, and whose metrics do not count the start-up warm-up."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import grpc
+import pytest
+
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
+from tests.server_process import ServerProcess, start_server_process
+from tests.tiny_models import write_tiny_model
+
+# The first request may take at most this many times the TTFT of the same request again.
+MAX_FIRST_TTFT_RATIO = 3.0
+REPEATS = 5  # the warm TTFT is the median of this many sends
+
+
+@pytest.fixture
+def fresh_server(tmp_path) -> ServerProcess:
+    model = write_tiny_model(tmp_path / "tiny", "qwen3", max_position_embeddings=1024)
+    server = start_server_process(
+        model, "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--log-level", "INFO"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def first_request_shape() -> pb.GenerateRequest:
+    """Paths a one-prompt greedy warm-up never takes: the chat template, n=2 (fork and
+    copy-on-write), seeded top-k/top-p/min-p sampling with penalties, logprobs with top
+    alternatives, prompt logprobs, min_tokens bans, stop strings, and a prompt longer than a
+    step's token budget (chunked prefill)."""
+    content = "Once upon a time there was a small model that served tokens very quickly."
+    return pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[
+                pb.ChatMessage(role="system", content="You are brief."),
+                pb.ChatMessage(role="user", content=content),
+            ]
+        ),
+        sampling=pb.SamplingOptions(
+            n=2,
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            min_p=0.02,
+            repetition_penalty=1.1,
+            presence_penalty=0.3,
+            frequency_penalty=0.2,
+            seed=11,
+        ),
+        stopping=pb.StoppingOptions(max_tokens=4, min_tokens=2, stop=["\n\n", "zzz"]),
+        output=pb.OutputOptions(logprobs=5, prompt_logprobs=3),
+    )
+
+
+def timed_stream(stub, request: pb.GenerateRequest) -> tuple[float, float]:
+    """(client TTFT: call to first message, the server's own ttft_seconds)."""
+    start = time.perf_counter()
+    client_ttft = None
+    server_ttft = None
+    for message in stub.StreamGenerate(request, timeout=120):
+        if client_ttft is None:
+            client_ttft = time.perf_counter() - start
+        assert not message.error, message.error
+        if message.finish_reason and message.index == 0:
+            server_ttft = message.timing.ttft_seconds
+    assert client_ttft is not None and server_ttft is not None
+    return client_ttft, server_ttft
+
+
+def test_the_first_request_after_ready_is_as_quick_as_a_repeat(fresh_server):
+    fresh_server.wait_ready(timeout=300)
+    # At readiness: the warm-up ran, and nothing of it is counted or held.
+    metrics = fresh_server.metrics()
+    assert metrics["pagedserve_time_to_ready_seconds"] > 0
+    for name in ("engine_steps", "prompt_tokens", "generation_tokens", "prefix_cache_queries"):
+        assert metrics[f"pagedserve_{name}_total"] == 0, name
+    assert metrics["pagedserve_kv_cache_blocks_used"] == 0
+    log = fresh_server.stderr()
+    for phase in ("model loaded in", "KV pool sized", "warm-up:", "ready"):
+        assert phase in log, f"start-up log lacks {phase!r}:\n{log}"
+    request = first_request_shape()
+    with grpc.insecure_channel(fresh_server.target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        first_client, first_server = timed_stream(stub, request)
+        again = [timed_stream(stub, request) for _ in range(REPEATS)]
+    warm_client = statistics.median(c for c, _ in again)
+    warm_server = statistics.median(s for _, s in again)
+    report = (
+        f"first TTFT {first_client * 1e3:.1f} ms (server {first_server * 1e3:.1f} ms), "
+        f"repeat median {warm_client * 1e3:.1f} ms (server {warm_server * 1e3:.1f} ms)"
+    )
+    print(report)
+    assert first_client <= MAX_FIRST_TTFT_RATIO * warm_client, report
+    assert first_server <= MAX_FIRST_TTFT_RATIO * warm_server, report
