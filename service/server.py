@@ -689,7 +689,8 @@ def warm_up(engine: AsyncEngine) -> None:
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain: readiness off, new work refused, in-flight
     requests finish within config.drain_seconds, exit."""
-    started = time.monotonic()  # with process_age(): the process's start, for time to ready
+    # The process's age now plus the monotonic time from here: its start, for time to ready.
+    started = time.monotonic() - (process_age() or 0.0)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -707,7 +708,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     warm_up(engine)
     model_name = Path(engine.info.model_path).name
     await server.set_ready(engine, model_name)
-    ready_seconds = (process_age() or 0.0) + time.monotonic() - started
+    ready_seconds = time.monotonic() - started
     server.service.metrics.time_to_ready.set(ready_seconds)
     server.watch_engine(config.engine_stall_seconds)
     log.info(
