@@ -160,7 +160,7 @@ async def test_final_event_is_never_swallowed_by_a_full_mailbox():
 
 
 async def test_a_caller_who_leaves_before_admission_takes_its_request_back(engine):
-    ae = AsyncEngine(EngineThread(engine))  # not started: the Submit waits in the inbox
+    ae = AsyncEngine(EngineThread(engine, warmup=False))  # not started: the Submit waits
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     steps, inbox = engine.num_steps, engine.aborts["grpc_unary", "inbox"]
     waiting = asyncio.ensure_future(ae.submit("gone", [1, 2, 3], params, door="grpc_unary"))
