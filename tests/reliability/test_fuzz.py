@@ -20,6 +20,7 @@ many each door tried and how they were answered."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import math
@@ -439,10 +440,23 @@ def rpc_counts(doors: Doors, rpc: str) -> collections.Counter[str]:
     return collections.Counter({s.labels["code"]: s.value for s in samples})
 
 
+async def settled_rpc_counts(doors: Doors, rpc: str) -> collections.Counter[str]:
+    """rpc_counts once the last case's handler has counted it: an aborted RPC's status can
+    reach the client before its handler's count (same event loop: a few turns settle it)."""
+    seen = rpc_counts(doors, rpc)
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        now = rpc_counts(doors, rpc)
+        if now == seen:
+            return now
+        seen = now
+    return seen
+
+
 async def raw_case(doors: Doors, door: str, method: str, data: bytes, bad_field: str | None):
     """Sends request bytes as they are; checks the answer, and that the RPC metric counted
     it once, under its own name and code."""
-    counted = rpc_counts(doors, method)
+    counted = await settled_rpc_counts(doors, method)
     path = f"/{SERVICE_NAME}/{method}"
     make = doors.channel.unary_stream if method == "StreamGenerate" else doors.channel.unary_unary
     call = make(path, request_serializer=None, response_deserializer=None)
