@@ -180,3 +180,24 @@ def test_kernel_cache_dir_points_triton_and_flashinfer_at_one_directory(tmp_path
     assert os.environ[FLASHINFER_ENV] == str((tmp_path / "k").resolve())
     assert os.environ[TRITON_ENV] == str((tmp_path / "k" / "triton").resolve())
     assert (tmp_path / "k" / "triton").is_dir()
+
+
+def test_the_engine_process_warms_up_and_applies_the_kernel_cache_in_the_child(
+    tiny_qwen3, tmp_path
+):
+    from engine.async_engine import AsyncEngine
+    from engine.engine_process import EngineProcess
+
+    cache = tmp_path / "kernels"
+    config = engine_config_from_flat(
+        model=str(tiny_qwen3), num_blocks=128, max_num_seqs=4, kernel_cache_dir=str(cache)
+    )
+    engine = AsyncEngine(EngineProcess(config))
+    engine.start()
+    try:
+        # Applied where the engine was built: this process never built one.
+        assert (cache / "triton").is_dir()
+        assert engine.info.startup.warmup > 0 and engine.info.startup.model_load > 0
+        assert engine.stats.num_steps == 0 and engine.stats.num_kv_blocks_used == 0
+    finally:
+        engine.shutdown(timeout=10)
