@@ -154,15 +154,7 @@ class LLMEngine:
 
         self.requests: dict[str, Request] = {}
         self._in_flight: _StepInFlight | None = None  # async scheduling: launched, not collected
-        self._arrivals = itertools.count()
-        self._seed_rng = random.Random(config.seed)
-        # Cumulative work counters (EngineStats). Prompt tokens count what was computed:
-        # prefix-cache hits are not, a prompt recomputed after preemption is again, and
-        # recomputed output tokens count in neither.
-        self.num_steps = 0
-        self.num_prompt_tokens_computed = 0
-        self.num_generated_tokens = 0
-        self.aborts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._start_counting()
         # What start-up built (the model, the tokenizer, the block manager's blocks) lives
         # as long as the engine: keep it out of the collector's full passes, which would
         # otherwise walk it all again and again, a pause of ~0.3 s each on a GPU host.
@@ -284,11 +276,19 @@ class LLMEngine:
             raise RuntimeError("reset_state needs an idle engine")
         self.block_manager.reset()
         self.scheduler.num_preemptions = 0
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        """Arrival order, the seeds of unseeded requests and the cumulative work counters
+        (EngineStats) from their beginning. Prompt tokens count what was computed:
+        prefix-cache hits are not, a prompt recomputed after preemption is again, and
+        recomputed output tokens count in neither."""
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.config.seed)
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.aborts: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def info(self) -> EngineInfo:
         return EngineInfo(
