@@ -4,14 +4,15 @@ A decode step launches hundreds of small kernels, and on a slow host their launc
 not the GPU, sets the pace. So once the KV pool exists, the whole model forward is
 captured for each bucket size (largest first, every graph in one shared memory pool) over
 static buffers (GraphBuffers). A step of n decodes is padded to the smallest bucket
-b >= n (DecodeInputs.padded, batch_size_for), its uploaded inputs are copied into the
-first b columns of the static buffer, attention is planned for b sequences (host code:
-it runs before the replay, outside the graph, and copies the step's page table and KV
-split into the buffers the captured decode kernels read) and the graph replays.
+b >= n (batch_size_for; the runner pads), its input ids, positions and KV slots are
+copied into the first b columns of the static buffer, attention is planned for b
+sequences (host code: it runs before the replay, outside the graph, and copies the step's
+lengths and KV split into the buffers the captured decode kernels read) and the graph
+replays. The decode kernels read block ids from the persistent block table itself.
 
-Rows n..b are padding: token 0 at position 0, KV written nowhere (slot -1), attending to
-a one-token dummy page (block 0, whatever it holds); their outputs are dropped.
-Steps with a prefill, or more decodes than the largest bucket, run eagerly (runner.py).
+Rows n..b are padding: the padding slot of the persistent batch (token 0, KV written
+nowhere, attending to one token of block 0); their outputs are dropped. Steps with a
+prefill, or more decodes than the largest bucket, run eagerly (runner.py).
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ import bisect
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.flashinfer_backend import FlashInferAttention
+from engine.attention.base import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 _BUCKETS += tuple(range(160, 257, 32)) + tuple(range(320, MAX_GRAPH_BATCH + 1, 64))
-DUMMY_BLOCK = 0  # the page padding rows attend to
 # Device memory the graphs hold beyond the KV pool, kept free when the pool is sized: the
 # attention backend's workspace for each batch size (graph_workspace_bytes), and the shared
 # pool, which holds the activations of the largest bucket's forward.
@@ -44,81 +44,43 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in _BUCKETS if b < cap] + [cap]
 
 
-def graph_memory_reserve(batch_sizes: list[int], attn: FlashInferAttention) -> int:
+def graph_memory_reserve(batch_sizes: list[int], attn: AttentionBackend) -> int:
     return attn.graph_workspace_bytes(batch_sizes) + _POOL_BYTES
 
 
 @dataclass
-class DecodeInputs:
-    """A pure-decode step on the host: one row (one new token) per sequence."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]  # per sequence, the blocks holding its seq_len tokens
-
-    def padded(self, batch_size: int) -> DecodeInputs:
-        pad = batch_size - len(self.input_ids)
-        assert pad >= 0, (batch_size, len(self.input_ids))
-        return DecodeInputs(
-            self.input_ids + [0] * pad,
-            self.positions + [0] * pad,
-            self.slot_mapping + [-1] * pad,  # write nowhere
-            self.seq_lens + [1] * pad,  # attend to one token of the dummy page
-            self.block_tables + [[DUMMY_BLOCK]] * pad,
-        )
-
-
-@dataclass
 class GraphBuffers:
-    """What every captured graph reads and writes (rows [0, its batch size)); a replay
-    refills the inputs and page tables first."""
+    """What every captured graph reads and writes (columns [0, its batch size)); a replay
+    refills the inputs first."""
 
     token_inputs: torch.Tensor  # int64 [3, max_batch]: token ids, positions, KV slots
-    # the step's page indices, filled by FlashInferAttention.plan_graph()
-    kv_indices: torch.Tensor  # int32 [max_batch * max_blocks_per_seq]
     hidden: torch.Tensor  # [max_batch, hidden_size]: the model's output
-
-    @classmethod
-    def allocate(
-        cls,
-        max_batch: int,
-        max_blocks_per_seq: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> GraphBuffers:
-        def zeros(size: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, device=device)
-
-        return cls(
-            token_inputs=torch.zeros(3, max_batch, dtype=torch.int64, device=device),
-            kv_indices=zeros(max_batch * max_blocks_per_seq, torch.int32),
-            hidden=torch.zeros(max_batch, hidden_size, dtype=dtype, device=device),
-        )
 
 
 class CudaGraphRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        attn: FlashInferAttention,
+        attn: AttentionBackend,
         kv_caches: list[torch.Tensor],
+        block_table: torch.Tensor,  # the persistent batch's; its last row is the padding slot
         block_size: int,
         batch_sizes: list[int],
-        max_blocks_per_seq: int,
         hidden_size: int,
         dtype: torch.dtype,
     ):
+        assert attn.supports_cuda_graphs, f"{type(attn).__name__} does not run in CUDA graphs"
         self.model = model
         self.attn = attn
         self.kv_caches = kv_caches
+        self.block_table = block_table
         self.block_size = block_size
         self.batch_sizes = sorted(batch_sizes)
         self.device = kv_caches[0].device
-        self.buffers = GraphBuffers.allocate(
-            self.batch_sizes[-1], max_blocks_per_seq, hidden_size, dtype, self.device
+        largest = self.batch_sizes[-1]
+        self.buffers = GraphBuffers(
+            token_inputs=torch.zeros(3, largest, dtype=torch.int64, device=self.device),
+            hidden=torch.zeros(largest, hidden_size, dtype=dtype, device=self.device),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
@@ -133,38 +95,29 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(
-        self,
-        token_inputs: torch.Tensor,  # int64 [3, b] on the device: ids, positions, slots
-        seq_lens: list[int],  # [b]
-        block_tables: list[list[int]],  # [b]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Replay the graph of a step padded to a captured batch size b (DecodeInputs.padded);
-        the hidden states [b, hidden], a view of the static output the next replay overwrites."""
-        batch_size = len(seq_lens)
-        self._stage(token_inputs, seq_lens, block_tables)
+        """Replay the graph of a step padded to a captured batch size b: the hidden states
+        [b, hidden], a view of the static output the next replay overwrites."""
+        batch_size = meta.num_seqs
+        inputs = self.buffers.token_inputs[:, :batch_size]
+        inputs[0].copy_(input_ids)
+        inputs[1].copy_(positions)
+        inputs[2].copy_(meta.slot_mapping)
+        self.attn.plan(meta)
         self.graphs[batch_size].replay()
         return self.buffers.hidden[:batch_size]
-
-    def _stage(
-        self, token_inputs: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]]
-    ) -> None:
-        """Copy a padded step's inputs into the static buffers and plan its attention."""
-        self.buffers.token_inputs[:, : len(seq_lens)].copy_(token_inputs)
-        self.attn.plan_graph(seq_lens, block_tables, self.block_size)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        b = self.buffers
         for size in reversed(self.batch_sizes):  # largest first: the others fit in its pool
-            self.attn.add_graph_batch_size(size, b.kv_indices)
-            padding = DecodeInputs([], [], [], [], []).padded(size)
-            inputs = [padding.input_ids, padding.positions, padding.slot_mapping]
-            self._stage(
-                torch.tensor(inputs, device=self.device), padding.seq_lens, padding.block_tables
-            )
-            meta = self._capture_meta(size)
+            self.attn.prepare_graph(size)
+            meta = self._padding_meta(size)
+            self.buffers.token_inputs[:, :size] = 0
+            self.buffers.token_inputs[2, :size] = -1  # write nowhere
+            self.attn.plan(meta)
             self._forward(size, meta)  # warm-up: JIT compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -184,17 +137,18 @@ class CudaGraphRunner:
         input_ids, positions = self.buffers.token_inputs[:2, :size]
         self.buffers.hidden[:size] = self.model(input_ids, positions, self.kv_caches, meta)
 
-    def _capture_meta(self, size: int) -> AttentionMetadata:
-        """The metadata a graph is captured with. Its kernels read only slot_mapping (a
-        static buffer) and what plan_graph() staged; the other fields describe the all-padding
-        batch of the capture and are not updated by a replay."""
+    def _padding_meta(self, size: int) -> AttentionMetadata:
+        """A step of `size` padding rows, what a graph is captured with. Its kernels read
+        only slot_mapping (a static buffer), the block table and what plan() staged."""
+        padding_slot = self.block_table.shape[0] - 1
         return AttentionMetadata(
+            slots=np.full(size, padding_slot, dtype=np.int32),
+            query_lens=np.ones(size, dtype=np.int32),
+            seq_lens=np.ones(size, dtype=np.int32),
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=self.device),
-            seq_lens=torch.ones(size, dtype=torch.int32, device=self.device),
-            block_tables=None,
+            seq_lens_device=torch.ones(size, dtype=torch.int32, device=self.device),
+            block_table=self.block_table,
             slot_mapping=self.buffers.token_inputs[2, :size],
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[1] * size,
             block_size=self.block_size,
-            block_tables_cpu=[[DUMMY_BLOCK]] * size,
+            graph=True,
         )

@@ -1,8 +1,9 @@
 """LLMEngine: the synchronous core. add_request / abort_request / step, nothing else.
 
-One step = schedule -> run the model on the flat batch -> sample -> append tokens,
-detokenize, check stops -> events. The offline LLM class and the async engine both
-drive this object; neither it nor they know about gRPC or HTTP.
+One step = schedule -> a StepPlan of arrays -> the runner queues the model and the
+sampler on the device -> (one step later) append tokens, detokenize, check stops ->
+events. The offline LLM class and the async engine both drive this object; neither it
+nor they know about gRPC or HTTP.
 """
 
 from __future__ import annotations
@@ -15,22 +16,27 @@ import logging
 import random
 import time
 from array import array
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from typing import Protocol
 
-from engine.attention.flashinfer_backend import FlashInferAttention
+import numpy as np
+
 from engine.attention.torch_backend import TorchPagedAttention
+from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.cuda_graphs import graph_batch_sizes, graph_memory_reserve
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
 from engine.kernel_cache import apply_kernel_cache_dir
-from engine.kv.block_manager import BlockManager, OutOfBlocksError
+from engine.kv.block_manager import BlockManager
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
-from engine.request import Request, Sequence, SequenceStatus
-from engine.runner import LaunchedStep, ModelRunner, PendingTokens, SampleRow, kv_bytes_per_block
+from engine.request import Request, Sequence, SequenceStatus, TokenMask
+from engine.runner import LaunchedStep, ModelRunner, StepPlan, kv_bytes_per_block
+from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.stats import EngineInfo, EngineStats, StartupTimes
@@ -47,13 +53,21 @@ atexit.register(gc.unfreeze)
 _MASK64 = (1 << 64) - 1
 
 
+class Proposer(Protocol):
+    """Guesses a running sequence's next tokens; the next step verifies them."""
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """At most max_tokens guesses of the tokens that follow seq.token_ids."""
+        ...
+
+
 @dataclass
 class _StepInFlight:
     """A launched step, until its results are collected."""
 
     chunks: list[ScheduledChunk]
-    row_owners: list[tuple[Sequence, int | None]]  # per sample row: (sequence, fork index)
-    pending_rows: dict[Sequence, int]  # sequences whose next token it samples -> its row
+    # per sequence that samples: (sequence, its sample rows, the proposed tokens verified)
+    samplers: list[tuple[Sequence, int, list[int]]]
     launched: LaunchedStep
     collect_before_next: bool  # the next schedule needs this step's tokens on the host
 
@@ -91,19 +105,26 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_path(model_path)
         device, dtype = config.torch_device, config.torch_dtype
         on_gpu = device.type == "cuda"
-        attn = FlashInferAttention(device) if on_gpu else TorchPagedAttention()
+        if on_gpu:
+            from engine.attention.cuda import CudaAttention
+
+            attn = CudaAttention(device)
+        else:
+            attn = TorchPagedAttention()
         model, self.model_config = load_model(model_path, dtype, device, attn)
         mc = self.model_config
-        if isinstance(attn, FlashInferAttention):  # its wrappers need the model's head shape
-            attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
+        attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
 
         loaded = time.monotonic()
         log.info("model loaded in %.2f s: %s", loaded - started, model_path)
 
         cache, sched, block_size = config.cache, config.scheduler, config.block_size
-        use_graphs = on_gpu and not config.enforce_eager
-        self.runner = ModelRunner(model, mc, block_size, device, dtype, attn)
+        use_graphs = attn.supports_cuda_graphs and not config.enforce_eager
+        model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.runner = ModelRunner(
+            model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len
+        )
         block_bytes = kv_bytes_per_block(mc, block_size, dtype)
         if cache.num_blocks:
             num_blocks = cache.num_blocks
@@ -120,18 +141,16 @@ class LLMEngine:
             num_blocks = max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        slots = SlotBook(sched.max_num_seqs, self.runner.token_width, self.runner.block_width)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, slots)
 
         # A sequence must fit the pool on its own; that is what makes preemption deadlock-free.
-        model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.pool_tokens = num_blocks * block_size
-        self.max_model_len = min(
-            model_len, self.model_config.max_position_embeddings, self.pool_tokens
-        )
+        self.max_model_len = min(model_len, self.pool_tokens)
         sized = time.monotonic()
         log.info("KV pool sized and allocated in %.2f s", sized - loaded)
         if use_graphs:
-            self.runner.capture_cuda_graphs(sched.max_num_seqs, self.max_model_len)
+            self.runner.capture_cuda_graphs(sched.max_num_seqs)
             log.info("CUDA graphs captured in %.2f s", time.monotonic() - sized)
         self.startup = StartupTimes(
             model_load=loaded - started,
@@ -154,6 +173,7 @@ class LLMEngine:
 
         self.requests: dict[str, Request] = {}
         self._in_flight: _StepInFlight | None = None  # async scheduling: launched, not collected
+        self.proposer: Proposer | None = None  # set one to verify its guesses each step
         self._start_counting()
         # What start-up built (the model, the tokenizer, the block manager's blocks) lives
         # as long as the engine: keep it out of the collector's full passes, which would
@@ -186,7 +206,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        token_mask: Callable[[], TokenMask] | None = None,
     ) -> Request:
+        """Admit a request: its n candidates wait to be scheduled. token_mask, when given,
+        makes each candidate's mask of the tokens it may sample."""
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         validate_request(params, priority, self.model_config.vocab_size)
@@ -231,26 +254,24 @@ class LLMEngine:
             max_tokens=max_tokens,
             priority=priority,
             arrival_order=next(self._arrivals),
-            forked=params.n == 1,
         )
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        request.sequences.append(self._new_sequence(request, 0, base_seed))
+        for index in range(params.n):
+            seq = Sequence(
+                request=request,
+                index=index,
+                seed=candidate_seed(base_seed, index),
+                token_ids=array("q", request.prompt_token_ids),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+                ),
+                stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                token_mask=token_mask() if token_mask is not None else None,
+            )
+            request.sequences.append(seq)
+            self.scheduler.add(seq)
         self.requests[request_id] = request
-        self.scheduler.add(request.sequences[0])
         return request
-
-    def _new_sequence(self, request: Request, index: int, base_seed: int) -> Sequence:
-        params = request.params
-        return Sequence(
-            request=request,
-            index=index,
-            seed=candidate_seed(base_seed, index),
-            token_ids=array("q", request.prompt_token_ids),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
-            ),
-            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
-        )
 
     def abort_request(self, request_id: str, door: str = "api") -> list[CandidateEvent]:
         """Cancel a request; returns its final CANCELLED events (empty if unknown/finished).
@@ -336,7 +357,7 @@ class LLMEngine:
         if previous is not None and previous.collect_before_next:
             events += self._collect(previous)
             previous = None
-        launched = self._launch(self.scheduler.schedule(), previous, events)
+        launched = self._launch(self.scheduler.schedule(), events)
         if previous is not None:
             events += self._collect(previous)
         if launched is not None:
@@ -346,12 +367,7 @@ class LLMEngine:
                 events += self._collect(launched)
         return events
 
-    def _launch(
-        self,
-        sched: SchedulerOutput,
-        previous: _StepInFlight | None,
-        events: list[CandidateEvent],
-    ) -> _StepInFlight | None:
+    def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
         """Queue a scheduled step on the device. On a failure its requests end (events)."""
         if sched.is_empty:
             return None
@@ -360,26 +376,9 @@ class LLMEngine:
         for chunk in sched.chunks:
             timing = chunk.seq.request.timing
             timing.first_scheduled = timing.first_scheduled or now
-
-        sample_rows, row_owners = self._sample_rows(sched.chunks)
-        prompt_lp_chunks = {
-            i: c.seq.request.params.prompt_logprobs
-            for i, c in enumerate(sched.chunks)
-            if c.start < c.seq.num_prompt_tokens and c.seq.request.prompt_logprobs_pending
-        }
-        pending = None
-        if previous is not None:
-            rows = previous.pending_rows
-            pending = PendingTokens(
-                previous.launched.token_ids,
-                {
-                    i: rows[c.seq]
-                    for i, c in enumerate(sched.chunks)
-                    if c.end > len(c.seq.token_ids)
-                },
-            )
         try:
-            launched = self.runner.execute(sched.chunks, sample_rows, prompt_lp_chunks, pending)
+            plan, samplers = self._plan(sched.chunks)
+            launched = self.runner.execute(plan)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(sched.chunks, exc)
             return None
@@ -390,31 +389,97 @@ class LLMEngine:
             self.num_prompt_tokens_computed += max(
                 0, min(chunk.end, seq.num_prompt_tokens) - chunk.start
             )
-            # Blocks are published once the host knows all their tokens; a pending one's
-            # block follows with a later step.
+            # Blocks are published once the host knows all their tokens; a block whose
+            # tokens are still on the device follows with a later step.
             known = min(chunk.end, len(seq.token_ids))
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, known)
-        pending_rows = {}
-        for row, (seq, fork_index) in enumerate(row_owners):
-            if fork_index is None:
-                seq.num_pending_tokens += 1
-                pending_rows[seq] = row
+        for seq, num_rows, _ in samplers:
+            seq.num_tokens += num_rows  # those past the accepted proposals go at collect
         return _StepInFlight(
             chunks=sched.chunks,
-            row_owners=row_owners,
-            pending_rows=pending_rows,
+            samplers=samplers,
             launched=launched,
-            # The next step needs this one's tokens on the host when they start new
-            # candidates, or feed a penalty's token history.
-            collect_before_next=any(
-                index is not None or seq.request.params.uses_penalties for seq, index in row_owners
-            ),
+            # Proposals and masks are made from the tokens so far, on the host.
+            collect_before_next=self.proposer is not None
+            or any(seq.token_mask is not None for seq, _, _ in samplers),
         )
+
+    def _plan(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[StepPlan, list[tuple[Sequence, int, list[int]]]]:
+        """The step's arrays for the runner, and per sequence that samples: its rows and
+        the proposed tokens they verify."""
+        # Runs for every sequence of every step: plain loops over plain values.
+        size = len(chunks)
+        slots, query_lens, seq_lens, num_samples, num_prompt = (
+            np.zeros(size, dtype=np.int32) for _ in range(5)
+        )
+        params: list[SamplingParams] = []
+        seeds: list[int] = []
+        counters: list[int] = []
+        banned: list[list[int]] = []
+        samplers: list[tuple[Sequence, int, list[int]]] = []
+        prompt_logprobs: dict[int, int] = {}
+        book = self.scheduler.slots
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            request = seq.request
+            slots[i], seq_lens[i] = seq.slot, chunk.end
+            query_lens[i], num_prompt[i] = chunk.end - chunk.start, seq.num_prompt_tokens
+            if seq.index == 0 and chunk.start < seq.num_prompt_tokens:
+                if request.prompt_logprobs_pending:
+                    prompt_logprobs[i] = request.params.prompt_logprobs
+            if not chunk.samples:
+                continue
+            proposed = seq.proposed[: chunk.num_proposed]
+            seq.proposed = []
+            if proposed:
+                book.write_tokens(seq.slot, seq.num_tokens, proposed)
+            rows = num_samples[i] = len(proposed) + 1
+            samplers.append((seq, rows, proposed))
+            for j in range(rows):
+                # The row's token goes to position chunk.end - rows + 1 + j; its counter is
+                # the number of output tokens before it.
+                sampled_before = chunk.end - rows + 1 + j - seq.num_prompt_tokens
+                params.append(request.params)
+                seeds.append(seq.seed)
+                counters.append(sampled_before)
+                banned.append(self._banned_ids(request.params, sampled_before))
+        allowed = None
+        if any(seq.token_mask is not None for seq, _, _ in samplers):
+            words = -(-self.model_config.vocab_size // 32)
+            allowed = np.full((len(params), words), -1, dtype=np.int32)
+            row = 0
+            for seq, rows, _ in samplers:
+                if seq.token_mask is not None:
+                    seq.token_mask.fill_next(allowed[row])
+                row += rows
+        sampling = SamplingRows.build(
+            params, seeds, counters, banned, self.model_config.vocab_size, allowed
+        )
+        plan = StepPlan(
+            slots=slots,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            num_samples=num_samples,
+            num_prompt_tokens=num_prompt,
+            sampling=sampling,
+            prompt_logprobs=prompt_logprobs,
+            changes=book.take_changes(),
+        )
+        return plan, samplers
+
+    def _banned_ids(self, params: SamplingParams, num_sampled: int) -> list[int]:
+        """Ids a row may not pick: EOS and the stop ids while below min_tokens."""
+        if num_sampled >= params.min_tokens:
+            return []
+        banned = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.extend(self.eos_token_ids)
+        return banned
 
     def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
         """Wait for a launched step and turn its results into events."""
-        for seq in step.pending_rows:
-            seq.num_pending_tokens -= 1
         try:
             result = self.runner.collect(step.launched)
         except Exception as exc:  # e.g. a device error surfacing at the sync
@@ -430,78 +495,38 @@ class LLMEngine:
             done = len(request.prompt_logprobs)
             request.prompt_logprobs.extend(lps[done - (chunk.start + 1) :])
 
-        # Fork new candidates before any token lands: a parent that finishes on its first
-        # token frees its blocks, and the children must have taken their share by then.
-        # A sequence that ended while the step ran (a stop, an abort) drops its token.
-        targets = [
-            (self._fork(seq, fork_index) if fork_index is not None else seq, sampled)
-            for (seq, fork_index), sampled in zip(step.row_owners, result.sampled)
-            if not seq.is_finished
-        ]
-        self.num_generated_tokens += len(targets)
-        return [self._append_token(seq, s.token_id, s.logprob) for seq, s in targets]
-
-    def _sample_rows(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[list[SampleRow], list[tuple[Sequence, int | None]]]:
-        """Rows to sample, and for each the sequence it extends (and the fork index, if new)."""
-        rows: list[SampleRow] = []
-        owners: list[tuple[Sequence, int | None]] = []
-        for i, chunk in enumerate(chunks):
-            if not chunk.samples:
+        events = []
+        row = 0
+        for seq, rows, proposed in step.samplers:
+            tokens = result.token_ids[row : row + rows]
+            logprobs = result.logprobs[row : row + rows]
+            row += rows
+            if seq.is_finished:  # it ended while the step ran (a stop, an abort)
                 continue
-            seq = chunk.seq
-            request = seq.request
-            if request.forked:
-                rows.append(self._row(i, seq, seq.seed))
-                owners.append((seq, None))
-                continue
-            # First token of an n > 1 request: every candidate draws from these logits.
-            for index in range(request.params.n):
-                seed = candidate_seed(request.sequences[0].seed, index)
-                rows.append(self._row(i, seq, seed))
-                owners.append((seq, index if index > 0 else None))
-        return rows, owners
+            kept = self._roll_back(seq, tokens, proposed) if proposed else 1
+            for token_id, logprob in zip(tokens[:kept], logprobs):
+                self.num_generated_tokens += 1
+                events.append(self._append_token(seq, token_id, logprob))
+                if seq.is_finished:
+                    break
+            if self.proposer is not None and not seq.is_finished and seq.token_mask is None:
+                room = seq.request.max_tokens - seq.num_sampled_tokens - 1
+                seq.proposed = self.proposer.propose(seq, room)[: max(0, room)]
+        return events
 
-    def _row(self, chunk_index: int, seq: Sequence, seed: int) -> SampleRow:
-        params = seq.request.params
-        num_sampled = seq.num_sampled_tokens
-        banned: list[int] = []
-        if num_sampled < params.min_tokens:
-            banned = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned.extend(self.eos_token_ids)
-        history = params.uses_penalties  # only penalties read it: no copy per row otherwise
-        return SampleRow(
-            chunk_index=chunk_index,
-            params=params,
-            seed=seed,
-            num_sampled=num_sampled,
-            prompt_ids=seq.request.prompt_token_ids if history else (),
-            output_ids=seq.output_token_ids if history else [],
-            banned_ids=banned,
-        )
-
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
-        """Create candidate `index` from the parent whose prompt just finished prefilling."""
-        request = parent.request
-        child = self._new_sequence(request, index, request.sequences[0].seed)
-        child.num_cached_tokens = parent.num_cached_tokens
-        request.sequences.append(child)
-        if len(request.sequences) == request.params.n:
-            request.forked = True
-        try:
-            child.block_table, copy = self.block_manager.fork(
-                parent.block_table, parent.num_computed_tokens
-            )
-        except OutOfBlocksError:  # no block for the copy-on-write: recompute the prompt later
-            self.scheduler.add(child)
-            return child
-        if copy is not None:
-            self.runner.copy_blocks([copy])
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.scheduler.add_running(child)
-        return child
+    def _roll_back(self, seq: Sequence, tokens: list[int], proposed: list[int]) -> int:
+        """How many sampled tokens to keep: up to the first that differs from its proposal
+        (a matched proposal is the token the plain path samples there, so the first
+        mismatch is too). The rest go: their counts, their KV, the blocks only they needed."""
+        accepted = 0
+        while accepted < len(proposed) and tokens[accepted] == proposed[accepted]:
+            accepted += 1
+        rejected = len(proposed) - accepted
+        seq.num_tokens -= rejected
+        seq.num_computed_tokens -= rejected
+        self.block_manager.shrink(seq.block_table, seq.num_tokens)
+        self.scheduler.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
+        return accepted + 1
 
     def _append_token(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
@@ -509,6 +534,8 @@ class LLMEngine:
         request = seq.request
         params = request.params
         seq.token_ids.append(token_id)
+        if seq.token_mask is not None:
+            seq.token_mask.accept(token_id)
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 
@@ -571,16 +598,8 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return []
-        # Candidates that were never forked end too: a caller expects one final event each.
-        pending = [s for s in request.sequences if not s.is_finished]
-        for index in range(len(request.sequences), request.params.n):
-            seq = self._new_sequence(request, index, request.sequences[0].seed)
-            seq.status = SequenceStatus.FINISHED  # never scheduled: holds nothing
-            request.sequences.append(seq)
-            pending.append(seq)
-        request.forked = True
         events = []
-        for seq in pending:
+        for seq in [s for s in request.sequences if not s.is_finished]:
             event = CandidateEvent(request_id, seq.index, "", [])
             self._finish_sequence(seq, reason, error, event)
             events.append(event)

@@ -1,20 +1,21 @@
 """Request and per-candidate sequence state, as small dataclasses of counters.
 
-A Request owns one or more Sequences (its `n` candidates). Until the prompt is fully
-prefilled a request has a single sequence; the step that samples its first token forks
-the other n-1 candidates, which share the prompt's KV blocks.
+A Request owns its `n` candidates from admission on, one Sequence each. Candidate 0
+prefills the prompt; the others wait until it has (Sequence.waits_for_prompt) and then
+start from the prompt's blocks in the prefix cache, so the prompt is computed once.
 
-KV regions of a sequence's token_ids (prompt + output so far):
+KV regions of a sequence's num_tokens tokens (prompt + output sampled so far):
 
     [0, num_cached_tokens)                   KV reused from the prefix cache at admission
     [0, num_computed_tokens)                 KV present in the blocks of block_table
     [num_computed_tokens, num_tokens)        still to compute; a step schedules a chunk of it
 
-num_tokens counts, beyond token_ids, the tokens sampled by steps still in flight on the
-device (num_pending_tokens, with async scheduling): the next step can already compute
-them, reading their ids on the device, before the host has read them back.
-A sequence samples its next token in the step whose chunk reaches num_tokens.
-Preemption by recompute frees the blocks and sets num_computed_tokens back to 0.
+num_tokens counts every token sampled, also those of a step still running on the device
+whose ids the host has not read back yet; token_ids holds the ids the host has. The
+device has them all: a running sequence owns a slot of the persistent batch
+(engine/batch.py), whose token row the sampler writes. A sequence samples its next token
+in the step whose chunk reaches num_tokens. Preemption by recompute frees the blocks and
+the slot and sets num_computed_tokens back to 0.
 
 Token ids live where Python's garbage collector does not walk them: a prompt in a tuple
 (untracked after the collector first sees it), a sequence's ids in an int64 array. In
@@ -28,7 +29,9 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from engine.kv.block_manager import BlockTable
 from engine.outputs import FinishReason, RequestTiming, TokenLogprob
@@ -37,6 +40,19 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.stop_strings import StopStringMatcher
+
+
+class TokenMask(Protocol):
+    """Which tokens a candidate may sample next (structured output fills one per sequence)."""
+
+    def fill_next(self, bitmask: np.ndarray) -> None:
+        """Write the allowed set into bitmask (int32 [ceil(vocab / 32)], bit v % 32 of
+        word v // 32 set = token v allowed); it arrives all ones."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """token_id was sampled: advance to the next position."""
+        ...
 
 
 class SequenceStatus(Enum):
@@ -55,7 +71,6 @@ class Request:
     arrival_order: int = 0  # tie-breaker, assigned by the engine
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.monotonic()))
     sequences: list[Sequence] = field(default_factory=list)
-    forked: bool = False  # True once all n candidates exist
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled during prefill if asked
 
     @property
@@ -64,16 +79,12 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.status is SequenceStatus.FINISHED for s in self.sequences)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None
+        return all(s.status is SequenceStatus.FINISHED for s in self.sequences)
 
     @property
     def prompt_logprobs_pending(self) -> bool:
         """Prompt logprobs were asked for and not all prompt positions have them yet."""
-        if not self.wants_prompt_logprobs:
+        if self.params.prompt_logprobs is None:
             return False
         return self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
 
@@ -83,12 +94,15 @@ class Sequence:
     request: Request
     index: int  # candidate index within the request
     seed: int  # drives this candidate's sampling, independent of its batch-mates
-    token_ids: array[int]  # int64 ("q"): prompt + output so far
+    token_ids: array[int]  # int64 ("q"): prompt + the output the host has read back
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
+    token_mask: TokenMask | None = None
     block_table: BlockTable = field(default_factory=lambda: BlockTable([]))
+    slot: int | None = None  # its rows in the persistent batch, while running
+    proposed: list[int] = field(default_factory=list)  # guessed next tokens, to verify
+    num_tokens: int = 0  # prompt + every output token sampled, read back or not
     num_computed_tokens: int = 0
-    num_pending_tokens: int = 0  # sampled by a step in flight, not yet in token_ids
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -100,24 +114,17 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.request.num_prompt_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + self.num_pending_tokens
+        self.num_tokens = len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        """Output tokens the host has (token_ids); pending ones are not counted."""
+        """Output tokens the host has read back."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_sampled_tokens(self) -> int:
-        """Output tokens sampled so far, pending ones included."""
+        """Output tokens sampled so far, read back or not."""
         return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -125,8 +132,14 @@ class Sequence:
 
     @property
     def has_all_tokens(self) -> bool:
-        """It has sampled max_tokens: whatever the pending ones are, it finishes with them."""
+        """It has sampled max_tokens: whatever the unread ones are, it finishes with them."""
         return self.num_sampled_tokens >= self.request.max_tokens
+
+    @property
+    def waits_for_prompt(self) -> bool:
+        """A later candidate waits until candidate 0 has computed the prompt they share."""
+        first = self.request.sequences[0]
+        return self.index > 0 and first.num_computed_tokens < first.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

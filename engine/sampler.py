@@ -38,113 +38,7 @@ _UNIFORM_BITS = 23  # (k + 0.5) / 2^23 is exact in float32 and strictly inside (
 _PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 x vocab
 
 
-@dataclass
-class SamplingTensors:
-    """The batch's sampling parameters as device tensors, one row per sequence."""
-
-    temperature: torch.Tensor  # float32 [B]; 1.0 on greedy rows so dividing is harmless
-    is_greedy: torch.Tensor  # bool [B]
-    top_k: torch.Tensor  # int64 [B]; vocab_size where top-k is off
-    top_p: torch.Tensor  # float32 [B]
-    min_p: torch.Tensor  # float32 [B]
-    repetition_penalty: torch.Tensor  # float32 [B]
-    presence_penalty: torch.Tensor  # float32 [B]
-    frequency_penalty: torch.Tensor  # float32 [B]
-    seeds: torch.Tensor  # int64 [B]
-    counters: torch.Tensor  # int64 [B]: tokens this row has generated so far
-    # Padded id lists; the pad id is vocab_size, a scratch column dropped after scattering.
-    # None when no row in the batch needs them, which also skips that stage.
-    seen_token_ids: torch.Tensor | None  # int64 [B, S]: prompt + output, for repetition
-    output_token_ids: torch.Tensor | None  # int64 [B, O]: output, for presence / frequency
-    banned_token_ids: torch.Tensor | None  # int64 [B, N]: ids a row may not pick this step
-    vocab_size: int
-    needs_logprobs: bool  # some row asks for logprobs (its chosen token's, at least)
-    max_num_logprobs: int  # K of the top-logprob tensors; 0 = none requested
-    all_greedy: bool
-    needs_filters: bool  # some sampled row uses top-k, top-p or min-p
-
-    @classmethod
-    def from_rows(
-        cls,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
-        banned_ids: Sequence[Sequence[int]],
-        vocab_size: int,
-        device: torch.device | str,
-        counters: Sequence[int] | None = None,
-    ) -> SamplingTensors:
-        """Build from per-row host data. counters: per row, the output tokens it has sampled
-        before this one (default: len(output_ids), when the host has them all). banned_ids:
-        per row, the ids it may not pick now (EOS and stop_token_ids while it has fewer than
-        min_tokens outputs; else empty)."""
-        assert len(params) == len(seeds) == len(prompt_ids) == len(output_ids) == len(banned_ids)
-
-        # One row of numbers per row, one table for the batch: a single pass over the params
-        # (this runs every step, on the host, for every running sequence).
-        table = np.array([_row_numbers(p, vocab_size) for p in params], dtype=np.float64).reshape(
-            len(params), len(_ROW_NUMBERS)
-        )
-        column = dict(zip(_ROW_NUMBERS, table.T, strict=True))
-
-        def floats(name: str) -> torch.Tensor:
-            return torch.from_numpy(column[name].astype(np.float32)).to(device)
-
-        def ints(values: np.ndarray | Sequence[int]) -> torch.Tensor:
-            return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
-
-        uses_repetition = column["repetition_penalty"] != 1.0
-        uses_counts = (column["presence_penalty"] != 0.0) | (column["frequency_penalty"] != 0.0)
-        is_greedy = column["greedy"] != 0.0
-        # Greedy rows ignore the filters (_row_numbers turns theirs off), so a filtered batch
-        # leaves their logits as they are and their argmax is the plain one.
-        needs_filters = bool(
-            (
-                (column["top_k"] < vocab_size) | (column["top_p"] < 1.0) | (column["min_p"] > 0.0)
-            ).any()
-        )
-        # Only rows that use a penalty ship their token history to the device.
-        seen = counted = None
-        if uses_repetition.any():
-            seen = [
-                [*prompt, *output] if used else []
-                for prompt, output, used in zip(
-                    prompt_ids, output_ids, uses_repetition, strict=True
-                )
-            ]
-        if uses_counts.any():
-            counted = [
-                list(output) if used else []
-                for output, used in zip(output_ids, uses_counts, strict=True)
-            ]
-        return cls(
-            temperature=floats("temperature"),
-            is_greedy=torch.from_numpy(is_greedy).to(device),
-            top_k=ints(column["top_k"]),
-            top_p=floats("top_p"),
-            min_p=floats("min_p"),
-            repetition_penalty=floats("repetition_penalty"),
-            presence_penalty=floats("presence_penalty"),
-            frequency_penalty=floats("frequency_penalty"),
-            seeds=ints(seeds),
-            counters=ints([len(o) for o in output_ids] if counters is None else counters),
-            seen_token_ids=_padded_ids(seen, vocab_size, device) if seen is not None else None,
-            output_token_ids=(
-                _padded_ids(counted, vocab_size, device) if counted is not None else None
-            ),
-            banned_token_ids=(
-                _padded_ids(banned_ids, vocab_size, device) if any(banned_ids) else None
-            ),
-            vocab_size=vocab_size,
-            needs_logprobs=any(p.logprobs is not None for p in params),
-            max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            all_greedy=bool(is_greedy.all()),
-            needs_filters=needs_filters,
-        )
-
-
-# The per-row numbers of SamplingTensors, in _row_numbers' order.
+# The per-row numbers of a sampled row, in _row_numbers' order.
 _ROW_NUMBERS = (
     "temperature",
     "greedy",
@@ -155,6 +49,146 @@ _ROW_NUMBERS = (
     "presence_penalty",
     "frequency_penalty",
 )
+
+
+@dataclass
+class SamplingRows:
+    """A step's sampling parameters on the host, one row per token to sample: what the
+    runner uploads. Decisions that depend on the whole batch (skip penalties, filters,
+    logprobs; all greedy) are made here, so the device never has to report back."""
+
+    numbers: np.ndarray  # float32 [len(_ROW_NUMBERS), R]
+    seeds: np.ndarray  # int64 [R]
+    counters: np.ndarray  # int64 [R]: output tokens sampled before this one
+    # int64 [R, N], padded with vocab_size: ids a row may not pick (EOS and stop ids while
+    # below min_tokens); None when no row bans any.
+    banned_ids: np.ndarray | None
+    # The logits mask hook: int32 [R, ceil(vocab / 32)], bit v % 32 of word v // 32 set
+    # where token v may be picked (all ones on rows without a mask); None: no row has one.
+    allowed: np.ndarray | None
+    penalty_rows: np.ndarray | None  # int64 [P]: rows with a penalty, whose history is read
+    logprob_counts: list[int | None]  # per row, its params' logprobs (None: not asked)
+    vocab_size: int
+    uses_repetition: bool  # some row has a repetition penalty
+    uses_counts: bool  # some row has a presence or frequency penalty
+    needs_logprobs: bool  # some row asks for logprobs (its chosen token's, at least)
+    max_num_logprobs: int  # K of the top-logprob tensors; 0 = none requested
+    all_greedy: bool
+    needs_filters: bool  # some sampled row uses top-k, top-p or min-p
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+        banned_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        allowed: np.ndarray | None = None,
+    ) -> SamplingRows:
+        # One row of numbers per row, one table for the batch: a single pass over the params
+        # (this runs every step, on the host, for every running sequence).
+        table = np.array([_row_numbers(p, vocab_size) for p in params], dtype=np.float32)
+        table = np.ascontiguousarray(table.reshape(len(params), len(_ROW_NUMBERS)).T)
+        column = dict(zip(_ROW_NUMBERS, table, strict=True))
+        repetition = column["repetition_penalty"] != 1.0
+        counts = (column["presence_penalty"] != 0.0) | (column["frequency_penalty"] != 0.0)
+        penalised = np.flatnonzero(repetition | counts)
+        is_greedy = column["greedy"] != 0.0
+        return cls(
+            numbers=table,
+            seeds=np.asarray(seeds, dtype=np.int64),
+            counters=np.asarray(counters, dtype=np.int64),
+            banned_ids=_padded(banned_ids, vocab_size) if any(banned_ids) else None,
+            allowed=allowed,
+            penalty_rows=penalised.astype(np.int64) if len(penalised) else None,
+            logprob_counts=[p.logprobs for p in params],
+            vocab_size=vocab_size,
+            uses_repetition=bool(repetition.any()),
+            uses_counts=bool(counts.any()),
+            needs_logprobs=any(p.logprobs is not None for p in params),
+            max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            all_greedy=bool(is_greedy.all()),
+            # Greedy rows ignore the filters (_row_numbers turns theirs off), so a filtered
+            # batch leaves their logits as they are and their argmax is the plain one.
+            needs_filters=bool(
+                (
+                    (column["top_k"] < vocab_size)
+                    | (column["top_p"] < 1.0)
+                    | (column["min_p"] > 0.0)
+                ).any()
+            ),
+        )
+
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays to upload, in the order on_device() takes them back."""
+        optional = (self.banned_ids, self.allowed, self.penalty_rows)
+        return [self.numbers, self.seeds, self.counters, *(a for a in optional if a is not None)]
+
+    def on_device(
+        self,
+        uploaded: list[torch.Tensor],
+        seen_ids: torch.Tensor | None = None,
+        output_ids: torch.Tensor | None = None,
+    ) -> SamplingTensors:
+        """The tensors, from arrays() uploaded, and the penalty rows' token histories."""
+        numbers, seeds, counters, *rest = uploaded
+        optional = iter(rest)
+        banned, allowed, penalty_rows = (
+            next(optional) if a is not None else None
+            for a in (self.banned_ids, self.allowed, self.penalty_rows)
+        )
+        column = dict(zip(_ROW_NUMBERS, numbers, strict=True))
+        return SamplingTensors(
+            temperature=column["temperature"],
+            is_greedy=column["greedy"] != 0.0,
+            top_k=column["top_k"].long(),
+            top_p=column["top_p"],
+            min_p=column["min_p"],
+            repetition_penalty=column["repetition_penalty"],
+            presence_penalty=column["presence_penalty"],
+            frequency_penalty=column["frequency_penalty"],
+            seeds=seeds,
+            counters=counters,
+            banned_token_ids=banned,
+            allowed=allowed,
+            penalty_rows=penalty_rows,
+            seen_token_ids=seen_ids if self.uses_repetition else None,
+            output_token_ids=output_ids if self.uses_counts else None,
+            vocab_size=self.vocab_size,
+            needs_logprobs=self.needs_logprobs,
+            max_num_logprobs=self.max_num_logprobs,
+            all_greedy=self.all_greedy,
+            needs_filters=self.needs_filters,
+        )
+
+
+@dataclass
+class SamplingTensors:
+    """The batch's sampling parameters as device tensors, one row per token to sample."""
+
+    temperature: torch.Tensor  # float32 [R]; 1.0 on greedy rows so dividing is harmless
+    is_greedy: torch.Tensor  # bool [R]
+    top_k: torch.Tensor  # int64 [R]; vocab_size where top-k is off
+    top_p: torch.Tensor  # float32 [R]
+    min_p: torch.Tensor  # float32 [R]
+    repetition_penalty: torch.Tensor  # float32 [R]
+    presence_penalty: torch.Tensor  # float32 [R]
+    frequency_penalty: torch.Tensor  # float32 [R]
+    seeds: torch.Tensor  # int64 [R]
+    counters: torch.Tensor  # int64 [R]: tokens this row has generated so far
+    banned_token_ids: torch.Tensor | None  # int64 [R, N], pad vocab_size
+    allowed: torch.Tensor | None  # int32 [R, ceil(V / 32)]: SamplingRows.allowed
+    # The rows with a penalty, and their token histories: int64 [P, L] padded with the
+    # pad id vocab_size, a scratch column dropped after scattering. None skips the stage.
+    penalty_rows: torch.Tensor | None  # int64 [P]
+    seen_token_ids: torch.Tensor | None  # prompt + output, for repetition
+    output_token_ids: torch.Tensor | None  # output, for presence / frequency
+    vocab_size: int
+    needs_logprobs: bool
+    max_num_logprobs: int
+    all_greedy: bool
+    needs_filters: bool
 
 
 def _row_numbers(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
@@ -168,6 +202,14 @@ def _row_numbers(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
 
 def _penalties(p: SamplingParams) -> tuple[float, float, float]:
     return (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+
+
+def _padded(rows: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
+    width = max(len(row) for row in rows)
+    padded = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return padded
 
 
 @dataclass
@@ -308,14 +350,6 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _padded_ids(
-    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
-) -> torch.Tensor:
-    width = max((len(row) for row in rows), default=0)
-    padded = [[*row, *([pad_id] * (width - len(row)))] for row in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
-
-
 def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Per-row occurrence counts [B, V] of padded ids (pad = vocab_size, dropped)."""
     counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
@@ -328,21 +362,34 @@ def _row_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _penalise_and_ban(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """The logits as they are when no row has a penalty or a ban; else a float32 copy with
-    the penalties applied and the banned ids at -inf."""
-    if t.seen_token_ids is None and t.output_token_ids is None and t.banned_token_ids is None:
+    """The logits as they are when no row has a penalty, a ban or a mask; else a float32
+    copy with the penalties applied and every id a row may not pick at -inf."""
+    if t.penalty_rows is None and t.banned_token_ids is None and t.allowed is None:
         return logits
-    logits = _apply_penalties(logits.float(), t)
+    logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
+    if t.penalty_rows is not None:
+        rows = t.penalty_rows
+        logits = logits.index_copy(0, rows, _apply_penalties(logits[rows], t))
     if t.banned_token_ids is not None:
         logits = logits.masked_fill(_row_mask(t.banned_token_ids, t.vocab_size), float("-inf"))
+    if t.allowed is not None:
+        logits = logits.masked_fill(~unpack_bitmask(t.allowed, t.vocab_size), float("-inf"))
     return logits
 
 
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [R, vocab_size] from int32 [R, ceil(vocab_size / 32)]: bit v % 32 of word v // 32."""
+    vocab = torch.arange(vocab_size, device=words.device)
+    return (words[:, vocab // 32] >> (vocab % 32).to(torch.int32)) & 1 == 1
+
+
 def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The penalty rows' logits (float32 [P, V]) with their penalties applied."""
+    rows = t.penalty_rows
     if t.seen_token_ids is not None:
         # HF / CTRL style: push every seen token towards "less likely" whatever its sign.
         seen = _row_mask(t.seen_token_ids, t.vocab_size)
-        penalty = t.repetition_penalty[:, None]
+        penalty = t.repetition_penalty[rows][:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if t.output_token_ids is not None:
@@ -350,8 +397,8 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         counts = _scatter_count(t.output_token_ids, t.vocab_size)
         logits = (
             logits
-            - t.frequency_penalty[:, None] * counts
-            - t.presence_penalty[:, None] * (counts > 0).float()
+            - t.frequency_penalty[rows][:, None] * counts
+            - t.presence_penalty[rows][:, None] * (counts > 0).float()
         )
     return logits
 

@@ -3,10 +3,15 @@
 Each step the scheduler picks, in this order, until the token budget
 (max_num_batched_tokens) or the sequence cap (max_num_seqs) runs out:
 
-  1. running decodes (one token each), highest priority first;
+  1. running decodes (one token each, or one and its proposed tokens), highest priority
+     first;
   2. running prefills that were chunked in an earlier step;
   3. waiting sequences (new or preempted), highest priority first, FCFS among equals,
-     starting from their longest cached prefix.
+     starting from their longest cached prefix; a request's later candidates once its
+     first has computed the prompt (Sequence.waits_for_prompt).
+
+A sequence admitted takes a slot of the persistent batch (engine/batch.py) and gives it
+back when it is preempted or removed; there are max_num_seqs slots.
 
 A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
 latest-arrived running sequence not yet scheduled this step (preemption by
@@ -20,6 +25,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from engine.batch import SlotBook
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
 from engine.request import Sequence, SequenceStatus
@@ -38,7 +44,12 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so a token gets sampled."""
-        return self.end == self.seq.num_tokens
+        return self.end >= self.seq.num_tokens
+
+    @property
+    def num_proposed(self) -> int:
+        """Proposed tokens it verifies, past the sequence's end."""
+        return max(0, self.end - self.seq.num_tokens)
 
 
 @dataclass
@@ -56,30 +67,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, slots: SlotBook):
         self.config = config
         self.block_manager = block_manager
+        self.slots = slots
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self.num_preemptions = 0
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked candidate that already holds KV blocks joins the running set."""
-        seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out for good (finished, cancelled, failed) and return its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
@@ -106,9 +110,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = seq.num_uncomputed_tokens
+            n = min(n + len(seq.proposed) if n == 1 else n, budget)
             if not self._allocate_or_preempt(seq, n, scheduled, out):
                 continue
+            self.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
             out.chunks.append(
                 ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
             )
@@ -116,10 +122,11 @@ class Scheduler:
             budget -= n
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
-        while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+        for seq in list(self.waiting):
+            if budget == 0 or out.preempted or len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            if seq.waits_for_prompt:
+                continue
             if not seq.block_table.block_ids:
                 self._match_prefix(seq)
             n = seq.num_uncomputed_tokens
@@ -132,8 +139,10 @@ class Scheduler:
             if not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
                 self._unmatch_prefix(seq)
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            assert len(seq.token_ids) == seq.num_tokens, "placed with tokens still in flight"
+            seq.slot = self.slots.place(seq.token_ids, seq.block_table.block_ids)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.chunks.append(
                 ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
@@ -159,6 +168,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self._release_slot(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -166,9 +176,12 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
+    def _release_slot(self, seq: Sequence) -> None:
+        self.slots.release(seq.slot)
+        seq.slot = None
+
     def _match_prefix(self, seq: Sequence) -> None:
-        request = seq.request
-        if request.prompt_logprobs_pending:
+        if seq.index == 0 and seq.request.prompt_logprobs_pending:
             return  # every prompt position's logits are needed: compute them all
         table, num_cached = self.block_manager.match_prefix(seq.token_ids)
         seq.block_table = table

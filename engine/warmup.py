@@ -17,7 +17,7 @@ vocabulary) and runs them through add_request / step to completion:
   - a pure-decode step of every CUDA-graph batch size that traffic can reach;
   - the sampler's paths: greedy, the plain seeded race, top-k / top-p / min-p, penalties,
     min_tokens bans, logprobs with and without alternatives, prompt logprobs, n > 1
-    (the fork and its copy-on-write block copy), stop strings and stop token ids.
+    (the later candidates start behind a prefix hit), stop strings and stop token ids.
 
 Then it leaves the engine as if fresh (LLMEngine.reset_state): no requests, no blocks
 used, the prefix cache empty, every counter zero, so metrics count only real traffic.
@@ -34,7 +34,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from engine.attention.flashinfer_backend import TENSOR_CORE_MIN_BATCH, FlashInferAttention
+from engine.attention.flashinfer_backend import TENSOR_CORE_MIN_BATCH
 from engine.engine import LLMEngine
 from engine.errors import EngineError
 from engine.outputs import FinishReason
@@ -117,7 +117,7 @@ def sampler_variants(vocab: int) -> list[SamplingParams]:
             stop=["\n", "the"],
             include_stop_str_in_output=True,
         ),
-        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True),  # fork
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True),  # n > 1
     ]
 
 
@@ -154,12 +154,12 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
                 runner.run([_Prompt(prompt, greedy())])
 
     # Mixed steps: decode rows running when a prompt arrives. Few rows, carrying every
-    # sampler path (n > 1 forks after its prefill, copying its partial last block).
-    fork_len = plan.block_size + 1 if plan.block_size > 1 else 2
+    # sampler path (n > 1: the later candidates compute the prompt's partial last block).
+    shared_len = plan.block_size + 1 if plan.block_size > 1 else 2
     joiner_len = max(2, min(2 * plan.block_size + 3, plan.max_len - 8))
     groups: list[list[_Prompt]] = [[]]
     for params in sampler_variants(plan.vocab):
-        length = fork_len if params.n > 1 else 3
+        length = shared_len if params.n > 1 else 3
         if not plan.fits(length, params.max_tokens):
             continue
         if sum(p.params.n for p in groups[-1]) + params.n > max(1, plan.max_seqs - 1):
@@ -172,7 +172,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
         runner.mixed(group, joiner if plan.fits(joiner_len, 2) else None)
 
     # Many decode rows: flashinfer's tensor-core decode; as many as a step can take.
-    if isinstance(engine.runner.attn, FlashInferAttention):
+    if engine.runner.device.type == "cuda":
         big_joiner = min(plan.block_size + 5, joiner_len)
         # Unchunked, the joiner must fit whole beside the decode rows in one step's budget.
         rows = min(plan.max_seqs - 1, plan.budget - (1 if plan.chunked else big_joiner))
@@ -245,10 +245,9 @@ class _Runner:
         """Prefill `decodes`, then add `joiner` while they decode: a mixed step."""
         ids = self.add(decodes)
         requests = [self.engine.requests[i] for i in ids]
-        # Until every candidate (forks included) has its prompt computed and decodes.
+        # Until every candidate has its prompt computed and decodes.
         while any(
-            len(r.sequences) < r.params.n
-            or any(s.num_computed_tokens < s.num_prompt_tokens for s in r.sequences)
+            any(s.num_computed_tokens < s.num_prompt_tokens for s in r.sequences)
             for r in requests
         ):
             if not self.engine.has_unfinished_requests:

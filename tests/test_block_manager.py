@@ -1,4 +1,4 @@
-"""Block manager: allocation, prefix cache, eviction, fork, free; plus a stateful model check."""
+"""Block manager: allocation, prefix cache, eviction, shrink, free; plus a stateful model check."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from engine.kv import block_manager as block_manager_module
-from engine.kv.block_manager import BlockManager, BlockTable, OutOfBlocksError
+from engine.kv.block_manager import BlockManager, BlockTable
 
 
 def computed_table(
@@ -49,7 +49,7 @@ def test_allocate_grows_one_block_per_block_size_tokens():
     assert manager.blocks_needed(table, 8) == 0
     assert manager.blocks_needed(table, 3) == 0
     assert (manager.num_used_blocks, manager.num_free_blocks) == (2, 6)
-    assert manager.usage == pytest.approx(2 / 8)
+    assert manager.num_used_blocks / manager.num_blocks == pytest.approx(2 / 8)
     manager.check_invariants()
 
 
@@ -83,7 +83,7 @@ def test_prefix_hit_shares_full_blocks_between_sequences():
     assert num_cached == 8
     assert second.block_ids == first.block_ids[:2]
     assert second.num_hashed_blocks == 2 and second.last_hash == first.last_hash
-    assert [manager.ref_count(b) for b in first.block_ids] == [2, 2, 1]
+    assert [ref_count(manager, b) for b in first.block_ids] == [2, 2, 1]
     assert manager.allocate(second, 10)
     assert second.block_ids[2] != first.block_ids[2]
     manager.check_invariants()
@@ -240,7 +240,7 @@ def test_a_hit_revives_an_evictable_block():
 
     revived, num_cached = manager.match_prefix(prompt)
     assert (revived.block_ids, num_cached) == ([cached_id], 2)
-    assert manager.ref_count(cached_id) == 1
+    assert ref_count(manager, cached_id) == 1
     assert (manager.num_used_blocks, manager.num_free_blocks) == (1, 2)
     manager.check_invariants()
     # A referenced block is no longer evictable: the rest of the pool is all there is.
@@ -250,66 +250,20 @@ def test_a_hit_revives_an_evictable_block():
     assert cached_id not in other.block_ids
 
 
-# ---- fork ---------------------------------------------------------------------------------
+# ---- shrink -------------------------------------------------------------------------------
 
 
-def test_fork_with_full_last_block_shares_every_block():
+def test_shrink_gives_back_the_blocks_past_the_kept_tokens():
     manager = BlockManager(num_blocks=8, block_size=4)
-    parent = computed_table(manager, list(range(8)))
-    child, copy = manager.fork(parent, 8)
-    assert copy is None
-    assert child.block_ids == parent.block_ids
-    assert (child.num_hashed_blocks, child.last_hash) == (2, parent.last_hash)
-    assert [manager.ref_count(b) for b in parent.block_ids] == [2, 2]
+    table = BlockTable()
+    assert manager.allocate(table, 14)  # 4 blocks
+    kept = table.block_ids[:2]
+    manager.shrink(table, 6)  # 6 tokens fit in 2 blocks
+    assert table.block_ids == kept
+    assert manager.num_used_blocks == 2 and manager.num_free_blocks == 6
+    manager.shrink(table, 8)  # nothing past 8 tokens: unchanged
+    assert table.block_ids == kept
     manager.check_invariants()
-    manager.free(parent)
-    assert [manager.ref_count(b) for b in child.block_ids] == [1, 1]
-    manager.free(child)
-    assert manager.num_used_blocks == 0
-
-
-def test_fork_with_partial_last_block_copies_it():
-    manager = BlockManager(num_blocks=8, block_size=4)
-    parent = computed_table(manager, list(range(6)))
-    assert manager.allocate(parent, 12)  # decode lookahead beyond the computed tokens
-    child, copy = manager.fork(parent, 6)
-    assert copy is not None
-    src, dst = copy
-    assert src == parent.block_ids[1]
-    assert dst not in parent.block_ids
-    assert child.block_ids == [parent.block_ids[0], dst]
-    assert [manager.ref_count(b) for b in parent.block_ids] == [2, 1, 1]
-    assert manager.ref_count(dst) == 1
-    manager.check_invariants()
-
-
-def test_fork_without_a_block_for_the_copy_raises_and_changes_nothing():
-    manager = BlockManager(num_blocks=2, block_size=4)
-    parent = computed_table(manager, list(range(6)))
-    assert manager.num_free_blocks == 0
-    with pytest.raises(OutOfBlocksError):
-        manager.fork(parent, 6)
-    assert [manager.ref_count(b) for b in parent.block_ids] == [1, 1]
-    manager.check_invariants()
-    child, copy = manager.fork(parent, 4)  # a full-block fork needs no new block
-    assert copy is None and child.block_ids == parent.block_ids[:1]
-
-
-def test_fork_siblings_register_shared_blocks_once():
-    manager = BlockManager(num_blocks=8, block_size=4)
-    prompt = list(range(8))
-    parent, _ = manager.match_prefix(prompt)
-    assert manager.allocate(parent, 8)
-    child, _ = manager.fork(parent, 8)  # forked before the prefill's blocks were registered
-    manager.register_full_blocks(parent, prompt, 8)
-    manager.register_full_blocks(child, prompt, 8)
-    assert (child.num_hashed_blocks, child.last_hash) == (2, parent.last_hash)
-    manager.check_invariants()
-    _, num_cached = manager.match_prefix(prompt + [8])
-    assert num_cached == 8
-
-
-# ---- hash collisions ------------------------------------------------------------------------
 
 
 def test_colliding_hashes_never_share_blocks_of_other_tokens(monkeypatch):
@@ -345,19 +299,12 @@ def test_colliding_hashes_never_share_a_block_computed_after_another_prefix(monk
 
 def test_prefix_cache_stats_count_queried_and_hit_tokens():
     manager = BlockManager(num_blocks=16, block_size=4)
-    assert manager.prefix_cache_stats.hit_rate == 0.0
     prompt = list(range(9))
     computed_table(manager, prompt)  # queries 9, hits 0
     manager.match_prefix(prompt)  # queries 9, hits 8
     manager.match_prefix([100, 101])  # queries 2, hits 0
     stats = manager.prefix_cache_stats
     assert (stats.queried_tokens, stats.hit_tokens) == (20, 8)
-    assert stats.hit_rate == pytest.approx(8 / 20)
-    manager.reset_prefix_cache_stats()
-    assert (manager.prefix_cache_stats.queried_tokens, manager.prefix_cache_stats.hit_tokens) == (
-        0,
-        0,
-    )
 
 
 # ---- stateful model check -------------------------------------------------------------------
@@ -379,7 +326,7 @@ HASH_VARIANTS = {
 }
 
 
-@dataclass(eq=False)  # two forks can look alike; identity tells them apart
+@dataclass(eq=False)  # two sequences can look alike; identity tells them apart
 class ModelSeq:
     table: BlockTable
     token_ids: list[int]
@@ -388,6 +335,10 @@ class ModelSeq:
 
 # What the runs exercised, summed over all examples, so the test proves it was not vacuous.
 coverage: Counter[str] = Counter()
+
+
+def ref_count(manager: BlockManager, block_id: int) -> int:
+    return manager._blocks[block_id].ref_count
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -468,33 +419,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         block_size = self.manager.block_size
         for position in range(seq.num_computed, num_computed):
             block_id = seq.table.block_ids[position // block_size]
-            assert self.manager.ref_count(block_id) == 1, "writing KV into a shared block"
+            assert ref_count(self.manager, block_id) == 1, "writing KV into a shared block"
             self.shadow[block_id][position % block_size] = self.expected_kv(seq.token_ids, position)
         seq.num_computed = num_computed
         self.manager.register_full_blocks(seq.table, seq.token_ids, num_computed)
 
-    @precondition(lambda self: self.seqs and len(self.seqs) < MAX_LIVE_SEQS)
-    @rule(index=st.integers(0, MAX_LIVE_SEQS))
-    def fork(self, index):
-        parent = self.pick(index)
-        if parent.num_computed == 0:
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, MAX_LIVE_SEQS), drop=st.integers(1, 4))
+    def roll_back(self, index, drop):
+        """Drop a sequence's last tokens (rejected proposals): never a registered block."""
+        seq = self.pick(index)
+        block_size = self.manager.block_size
+        keep = len(seq.token_ids) - drop
+        if keep < max(1, seq.table.num_hashed_blocks * block_size):
             return
-        refs_before = [self.manager.ref_count(b) for b in parent.table.block_ids]
-        try:
-            child, copy = self.manager.fork(parent.table, parent.num_computed)
-        except OutOfBlocksError:
-            assert parent.num_computed % self.manager.block_size
-            assert self.manager.num_free_blocks == 0
-            assert [self.manager.ref_count(b) for b in parent.table.block_ids] == refs_before
-            coverage["fork refused"] += 1
-            return
-        if copy is not None:
-            src, dst = copy
-            self.shadow[dst] = list(self.shadow[src])  # the caller's KV copy
-            coverage["fork copy"] += 1
-        self.seqs.append(
-            ModelSeq(child, parent.token_ids[: parent.num_computed], parent.num_computed)
-        )
+        used_before = self.manager.num_used_blocks
+        del seq.token_ids[keep:]
+        seq.num_computed = min(seq.num_computed, keep)
+        self.manager.shrink(seq.table, keep)
+        assert len(seq.table.block_ids) <= -(-keep // block_size)
+        assert self.manager.num_used_blocks <= used_before
+        coverage["roll back"] += self.manager.num_used_blocks < used_before
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, MAX_LIVE_SEQS))
@@ -514,7 +459,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager.check_invariants()
         refs = Counter(b for seq in self.seqs for b in seq.table.block_ids)
         for block_id in range(self.manager.num_blocks):
-            assert self.manager.ref_count(block_id) == refs[block_id]
+            assert ref_count(self.manager, block_id) == refs[block_id]
         assert self.manager.num_used_blocks == len(refs)
         stats = self.manager.prefix_cache_stats
         assert (stats.queried_tokens, stats.hit_tokens) == (self.queried_tokens, self.hit_tokens)
@@ -539,5 +484,5 @@ def test_block_manager_state_machine():
         settings=settings(max_examples=150, stateful_step_count=50, deadline=None),
     )
     # The runs reached the interesting paths, so the checks above had something to check.
-    for path in ("hit", "allocation refused", "fork copy", "fork refused"):
+    for path in ("hit", "allocation refused", "roll back"):
         assert coverage[path] > 0, path

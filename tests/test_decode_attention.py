@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention.flashinfer_backend import page_table
 from engine.kernels.dispatch import triton_importable
 from tests.test_kernels import INTERPRETED, TRITON_TARGETS, rerun_interpreter_cases
 from tests.test_triton_linear import interpreter_multiplies_bf16_values  # noqa: F401
@@ -54,7 +53,7 @@ def test_the_plan_covers_each_sequence_once_within_capacity(seed):
     work.plan.copy_(torch.from_numpy(work.host_plan(lens, indptr)))
     num_items, chunk = work.split.tolist()
     items = work.item_indptr.tolist()
-    assert work.kv_indptr.tolist() == indptr.tolist() and work.seq_lens.tolist() == lens.tolist()
+    assert work.kv_first_page.tolist() == indptr.tolist() and work.seq_lens.tolist() == lens.tolist()
     assert num_items == items[-1] <= work.capacity and chunk % work.config.block_n == 0
     for i, n in enumerate(lens):
         mine = range(items[i], items[i + 1])
@@ -114,12 +113,19 @@ def test_decode_attention_equals_float32_attention(target, shape):
         kv_cache = torch.randn(num_blocks, 2, page, kv_heads, head_dim).to(torch.bfloat16)
         q = torch.randn(batch, heads, head_dim).to(torch.bfloat16)
         work = DecodeWorkspace(batch, heads, head_dim, num_sms, device)
-        table = page_table(lens, tables, page)
-        plan = work.host_plan(np.array(lens, dtype=np.int32), table.indptr)
+        # As the engine runs it: each sequence's blocks are a row of a block table (its
+        # slot's, in any order), which the kernel reads from slot * width on.
+        width = max(pages) + 1
+        slots = rng.sample(range(batch), batch)
+        block_table = torch.zeros(batch, width, dtype=torch.int32)
+        for slot, blocks in zip(slots, tables, strict=True):
+            block_table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        first_pages = np.array([*(s * width for s in slots), 0], dtype=np.int32)
+        plan = work.host_plan(np.array(lens, dtype=np.int32), first_pages)
         work.plan.copy_(torch.from_numpy(plan))
         num_items = work.split[0].item()
         assert num_items > batch or longest == 20  # the long batches split sequences
-        indices = torch.from_numpy(table.indices).to(device)
+        indices = block_table.view(-1).to(device)
         scale = head_dim**-0.5
         out = paged_decode_attention(q.to(device), kv_cache.to(device), indices, work, scale)
         expected = dense_reference(q, kv_cache, tables, lens, scale)

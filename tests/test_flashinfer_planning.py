@@ -1,10 +1,9 @@
 """The host side of the GPU path, on the CPU: flashinfer's page tables built from a step's
-block tables, the CUDA-graph padding and buckets, and that the GPU modules import without
-flashinfer. The GPU suite itself is tests/test_gpu.py."""
+rows of the persistent block table, the CUDA-graph buckets, and that the GPU modules
+import without flashinfer. The GPU suite itself is tests/test_gpu.py."""
 
 from __future__ import annotations
 
-import math
 import random
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import torch
 
 from engine.attention.flashinfer_backend import page_table, split_step
 from engine.config import CacheConfig, EngineConfig
-from engine.cuda_graphs import DUMMY_BLOCK, MAX_GRAPH_BATCH, DecodeInputs, graph_batch_sizes
+from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes
 from engine.errors import ValidationError
 from engine.kernels.kv_cache import store_kv_torch
 from tests.test_torch_attention import (
@@ -30,26 +29,27 @@ from tests.test_torch_attention import (
 
 def test_gpu_modules_import_without_flashinfer():
     code = (
-        "import sys, engine.attention.flashinfer_backend, engine.cuda_graphs, engine.engine; "
+        "import sys, engine.attention.cuda, engine.cuda_graphs, engine.engine; "
         "assert 'flashinfer' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def gathered(page_index: np.ndarray, block_table: list[list[int]], width: int) -> list[int]:
+    """The block ids at page_index in the flat block table, rows padded to width."""
+    flat = [b for row in block_table for b in row + [-1] * (width - len(row))]
+    return [flat[i] for i in page_index]
+
+
 def test_page_table_by_hand():
     # Block size 4: lengths 5, 4 and 1 take 2, 1 and 1 pages; their last pages hold 1, 4, 1.
-    table = page_table([5, 4, 1], [[7, 2], [9], [3]], block_size=4)
+    # They sit in slots 2, 0 and 1 of a block table 3 wide.
+    rows = [[9, 0, 0], [3, 0, 0], [7, 2, 0]]
+    table = page_table([5, 4, 1], [2, 0, 1], block_width=3, block_size=4)
     assert table.indptr.tolist() == [0, 2, 3, 4]
-    assert table.indices.tolist() == [7, 2, 9, 3]
+    assert gathered(table.page_index, rows, 3) == [7, 2, 9, 3]
     assert table.last_page_len.tolist() == [1, 4, 1]
-    assert all(a.dtype == np.int32 for a in (table.indptr, table.indices, table.last_page_len))
-
-
-def test_page_table_rejects_tables_that_do_not_cover_the_length():
-    with pytest.raises(ValueError, match="pages"):
-        page_table([5], [[7]], block_size=4)  # 5 tokens need 2 pages
-    with pytest.raises(ValueError, match="pages"):
-        page_table([4], [[7, 8]], block_size=4)
+    assert table.indptr.dtype == table.last_page_len.dtype == np.int32
 
 
 def test_split_step_by_hand():
@@ -58,18 +58,22 @@ def test_split_step_by_hand():
     query_lens = [1, 1, 7, 1, 3]
     seq_lens = [9, 4, 7, 13, 11]
     tables = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11, 12, 13]]
-    pages = split_step(query_lens, seq_lens, tables, block_size=4)
+    slots = [4, 0, 3, 1, 2]  # any slots: each sequence reads its own row
+    rows = [[]] * 5
+    for slot, blocks in zip(slots, tables, strict=True):
+        rows[slot] = blocks
+    pages = split_step(query_lens, seq_lens, slots, block_width=5, block_size=4)
     assert pages.num_decodes == 2 and pages.num_prefills == 3
-    assert pages.indices.tolist() == list(range(1, 14))
+    assert gathered(pages.page_index, rows, 5) == list(range(1, 14))
     assert pages.decode_indptr.tolist() == [0, 3, 4]
     assert pages.decode_last_page_len.tolist() == [1, 4]
     assert pages.prefill_qo_indptr.tolist() == [0, 7, 8, 11]
     assert pages.prefill_indptr.tolist() == [0, 2, 6, 9]
     assert pages.prefill_last_page_len.tolist() == [3, 1, 3]
 
-    only_decodes = split_step([1, 1], [3, 4], [[1], [2]], block_size=4)
+    only_decodes = split_step([1, 1], [3, 4], [0, 1], block_width=1, block_size=4)
     assert only_decodes.num_decodes == 2 and only_decodes.num_prefills == 0
-    only_prefills = split_step([3, 1], [3, 4], [[1], [2]], block_size=4)
+    only_prefills = split_step([3, 1], [3, 4], [0, 1], block_width=1, block_size=4)
     assert only_prefills.num_decodes == 0 and only_prefills.prefill_qo_indptr.tolist() == [0, 3, 4]
 
 
@@ -103,12 +107,10 @@ def test_split_step_describes_exactly_each_sequences_kv(
         cases.sort(key=lambda c: c.new != 1)
     batch = make_batch(cases, num_q_heads, num_kv_heads, block_size, torch.float32, seed)
     meta = batch.meta
-    tables = [
-        meta.block_tables[i, : math.ceil(n / block_size)].tolist()
-        for i, n in enumerate(meta.seq_lens_cpu)
-    ]
     store_kv_torch(batch.k, batch.v, batch.kv_cache, meta.slot_mapping)
-    pages = split_step(meta.query_lens_cpu, meta.seq_lens_cpu, tables, block_size)
+    width = meta.block_table.shape[1]
+    pages = split_step(meta.query_lens, meta.seq_lens, meta.slots, width, block_size)
+    indices = meta.block_table.view(-1)[torch.from_numpy(pages.page_index)].tolist()
 
     num_decode_pages = int(pages.decode_indptr[-1])
     parts = []
@@ -119,7 +121,7 @@ def test_split_step_describes_exactly_each_sequences_kv(
                 batch.kv_cache,
                 list(range(pages.num_decodes + 1)),  # one query row each
                 pages.decode_indptr,
-                pages.indices[:num_decode_pages],
+                indices[:num_decode_pages],
                 pages.decode_last_page_len,
                 SCALE,
             )
@@ -131,7 +133,7 @@ def test_split_step_describes_exactly_each_sequences_kv(
                 batch.kv_cache,
                 pages.prefill_qo_indptr,
                 pages.prefill_indptr,
-                pages.indices[num_decode_pages:],
+                indices[num_decode_pages:],
                 pages.prefill_last_page_len,
                 SCALE,
             )
@@ -139,20 +141,6 @@ def test_split_step_describes_exactly_each_sequences_kv(
     torch.testing.assert_close(
         torch.cat(parts), expected_output(batch, SCALE), rtol=1e-6, atol=1e-6
     )
-
-
-def test_decode_padding_writes_nowhere_and_reads_one_dummy_token():
-    step = DecodeInputs([5, 6], [9, 3], [40, 17], [10, 4], [[2, 3], [4]])
-    padded = step.padded(4)
-    assert padded.input_ids == [5, 6, 0, 0]
-    assert padded.positions == [9, 3, 0, 0]
-    assert padded.slot_mapping == [40, 17, -1, -1]
-    table = page_table(padded.seq_lens, padded.block_tables, block_size=8)
-    assert table.indices.tolist() == [2, 3, 4, DUMMY_BLOCK, DUMMY_BLOCK]
-    assert table.last_page_len.tolist() == [2, 4, 1, 1]
-    assert step.padded(2) == step
-    with pytest.raises(AssertionError):
-        step.padded(1)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 16, 100, 256, 512, 1000])

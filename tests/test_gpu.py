@@ -9,6 +9,7 @@ nothing else. Skipped without CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import random
@@ -20,16 +21,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.attention.base import AttentionMetadata
+from engine.attention.cuda import CudaAttention
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
+from engine.attention.triton_decode import TritonGraphDecode
 from engine.kernels import rotary_and_store_kv
 from engine.kernels.rotary import rotary_and_store_kv_torch
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput
 from engine.runner import kv_bytes_per_block, upload
-from engine.sampler import Sampler, SamplingTensors
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from tests.sampling import sampling_tensors
 from tests.test_kernels import (
     ROTARY_POOL_DTYPES,
     ROTARY_SHAPES,
@@ -132,7 +136,7 @@ def test_auto_device_is_cuda_and_the_pool_fills_the_memory_share(model_dir):
     utilization = 0.05
     llm = LLM(str(model_dir), gpu_memory_utilization=utilization)  # device and dtype: auto
     engine = llm.engine
-    assert isinstance(engine.runner.attn, FlashInferAttention)
+    assert isinstance(engine.runner.attn, CudaAttention)
     assert engine.runner.kv_caches[0].dtype == torch.bfloat16
     total = torch.cuda.mem_get_info()[1]
     pool_bytes = engine.block_manager.num_blocks * kv_bytes_per_block(
@@ -158,10 +162,9 @@ def teacher_forced_logits(
     """Every position's logits [len, vocab] (float32, CPU) for each sequence of `tokens`,
     computed in steps that mix everything a step can hold: a prompt, a chunk over a cached
     prefix, decodes before a prefill (the scheduler's order) and one after it."""
-    attn = FlashInferAttention(torch.device(device)) if device == "cuda" else TorchPagedAttention()
+    attn = CudaAttention(torch.device(device)) if device == "cuda" else TorchPagedAttention()
     model, config = load_model(model_dir, dtype, device, attn)
-    if isinstance(attn, FlashInferAttention):
-        attn.configure(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
+    attn.configure(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
     length = len(tokens[0])
     pages = -(-length // BLOCK_SIZE)
     order = torch.randperm(2 * pages + 1, generator=torch.Generator().manual_seed(0)).tolist()
@@ -190,25 +193,13 @@ def teacher_forced_logits(
                 for p in range(a, b)
             ]
             step_tables = [tables[s][: -(-b // BLOCK_SIZE)] for s, _, b in step]
-            width = max(len(t) for t in step_tables)
             query_lens = [b - a for _, a, b in step]
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor(
-                    [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
-                ).to(device),
-                seq_lens=torch.tensor([b for _, _, b in step], dtype=torch.int32).to(device),
-                block_tables=(
-                    torch.tensor(
-                        [t + [0] * (width - len(t)) for t in step_tables], dtype=torch.int32
-                    )
-                    if device == "cpu"
-                    else None
-                ),
-                slot_mapping=torch.tensor(slots, device=device),
-                query_lens_cpu=query_lens,
-                seq_lens_cpu=[b for _, _, b in step],
-                block_size=BLOCK_SIZE,
-                block_tables_cpu=step_tables,
+            meta = AttentionMetadata.from_block_tables(
+                query_lens,
+                [b for _, _, b in step],
+                step_tables,
+                torch.tensor(slots, device=device),
+                BLOCK_SIZE,
             )
             attn.plan(meta)
             hidden = model(
@@ -302,7 +293,7 @@ def test_tensor_core_decode_matches_cuda_core(model_dir, monkeypatch):
     attn = llm.engine.runner.attn
     plan = attn.plan
     monkeypatch.setattr(
-        attn, "plan", lambda meta: decode_batches.append(meta.query_lens_cpu.count(1)) or plan(meta)
+        attn, "plan", lambda meta: decode_batches.append(int((meta.query_lens == 1).sum())) or plan(meta)
     )
     got = llm.generate(prompts, params)
     assert max(decode_batches) >= 72 and 0 < min(b for b in decode_batches if b) < 64
@@ -312,55 +303,59 @@ def test_tensor_core_decode_matches_cuda_core(model_dir, monkeypatch):
     assert_greedy_close(got, cuda_cores.generate(prompts, params))
 
 
-def eager_decode_meta(lens: list[int], tables: list[list[int]], device) -> AttentionMetadata:
-    """A pure-decode step's metadata as the runner builds it for an eager step."""
+def decode_meta(lens: list[int], tables: list[list[int]], device) -> AttentionMetadata:
+    """A pure-decode step over sequences in slots 0.. of their own block table."""
     batch = len(lens)
-    return AttentionMetadata(
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=None,
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
-        query_lens_cpu=[1] * batch,
-        seq_lens_cpu=lens,
-        block_size=BLOCK_SIZE,
-        block_tables_cpu=tables,
-    )
+    slot_mapping = torch.zeros(batch, dtype=torch.int64, device=device)
+    return AttentionMetadata.from_block_tables([1] * batch, lens, tables, slot_mapping, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("batch_size", [1, 8, 96])
 def test_graph_decode_kernel_replays_any_split_as_flashinfer_decodes(batch_size):
     # A graph's decode (engine/kernels/decode_attention.py) is captured on one step's plan
     # and replayed on others: each replay must give what flashinfer's eager decode gives
-    # for that step, and what the kernel gives when called directly on it.
+    # for that step, and what the kernel gives when called directly on it. It reads the
+    # block ids from a block table whose address the graph keeps, as the engine's is.
     heads, kv_heads, head_dim, num_blocks = 16, 8, 128, 2048
+    scale = head_dim**-0.5
     gen = torch.Generator().manual_seed(batch_size)
     kv_cache = torch.randn(
         (num_blocks, 2, BLOCK_SIZE, kv_heads, head_dim), generator=gen, dtype=torch.bfloat16
     ).cuda()
     q = torch.randn((batch_size, heads, head_dim), generator=gen, dtype=torch.bfloat16).cuda()
-    attn = FlashInferAttention(torch.device("cuda"))
-    attn.configure(heads, kv_heads, head_dim, torch.bfloat16)
-    kv_indices = torch.zeros(num_blocks, dtype=torch.int32, device="cuda")
-    attn.add_graph_batch_size(batch_size, kv_indices)
-    attn.plan_graph([1] * batch_size, [[0]] * batch_size, BLOCK_SIZE)  # the capture's plan
-    attn.forward(q, kv_cache, None, attn.scale)  # compiles outside the capture
+    eager = FlashInferAttention(torch.device("cuda"))
+    graph_decode = TritonGraphDecode(torch.device("cuda"))
+    for attn in (eager, graph_decode):
+        attn.configure(heads, kv_heads, head_dim, torch.bfloat16)
+    graph_decode.prepare_graph(batch_size)
+    max_pages = num_blocks // batch_size
+    block_table = torch.zeros(batch_size + 1, max_pages, dtype=torch.int32, device="cuda")
+
+    def graph_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+        block_table.zero_()
+        for i, blocks in enumerate(tables):
+            block_table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        meta = decode_meta(lens, tables, "cuda")
+        return dataclasses.replace(meta, block_table=block_table, graph=True)
+
+    graph_decode.plan(graph_meta([1] * batch_size, [[0]] * batch_size))  # the capture's plan
+    graph_decode.forward(q, kv_cache, None, scale)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = attn.forward(q, kv_cache, None, attn.scale)
+        replayed = graph_decode.forward(q, kv_cache, None, scale)
     rng = random.Random(batch_size)
-    max_pages = num_blocks // batch_size
     for step in range(3):  # short and long contexts: one chunk each, or several
         longest = max_pages * BLOCK_SIZE if step else 3 * BLOCK_SIZE
         lens = [rng.randint(1, longest) for _ in range(batch_size)]
         blocks = iter(rng.sample(range(num_blocks), num_blocks))
         tables = [[next(blocks) for _ in range(-(-n // BLOCK_SIZE))] for n in lens]
-        attn.plan_graph(lens, tables, BLOCK_SIZE)
+        graph_decode.plan(graph_meta(lens, tables))
         graph.replay()
-        direct = attn.forward(q, kv_cache, None, attn.scale)
+        direct = graph_decode.forward(q, kv_cache, None, scale)
         assert torch.equal(replayed, direct)
-        attn.plan(eager_decode_meta(lens, tables, q.device))
+        eager.plan(decode_meta(lens, tables, q.device))
         torch.testing.assert_close(
-            replayed, attn.forward(q, kv_cache, None, attn.scale), rtol=2e-2, atol=2e-2
+            replayed, eager.forward(q, kv_cache, None, scale), rtol=2e-2, atol=2e-2
         )
 
 
@@ -380,16 +375,20 @@ def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
 
     llm = gpu_llm(model_dir)
     assert llm.engine.config.overlaps_steps  # the default on CUDA
-    pending_rows: list[int] = []
+    device_only: list[int] = []  # per step: sequences whose input token the host lacks
     execute = llm.engine.runner.execute
 
-    def spy(chunks, rows, prompt_lp, pending=None):
-        pending_rows.append(len(pending.rows) if pending is not None else 0)
-        return execute(chunks, rows, prompt_lp, pending)
+    def spy(plan):
+        slots = set(plan.slots.tolist())
+        running = llm.engine.scheduler.running
+        device_only.append(
+            sum(s.slot in slots and len(s.token_ids) < s.num_tokens for s in running)
+        )
+        return execute(plan)
 
     monkeypatch.setattr(llm.engine.runner, "execute", spy)
     got = llm.generate(prompts, params)
-    assert sum(pending_rows) > len(pending_rows)
+    assert sum(device_only) > len(device_only)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
@@ -436,10 +435,10 @@ def test_mixed_prefill_and_decode_steps_with_staggered_arrivals(model_dir, monke
 
     llm = gpu_llm(model_dir, max_num_batched_tokens=48)
     engine = llm.engine
-    planned: list[list[int]] = []  # query lengths of every eagerly run step
+    planned: list[list[int]] = []  # query lengths of every step
     plan = engine.runner.attn.plan
     monkeypatch.setattr(
-        engine.runner.attn, "plan", lambda meta: planned.append(meta.query_lens_cpu) or plan(meta)
+        engine.runner.attn, "plan", lambda meta: planned.append(meta.query_lens.tolist()) or plan(meta)
     )
     events: dict[str, list] = {f"r{i}": [] for i in range(3)}
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -460,8 +459,8 @@ def test_n_candidates_fork_on_the_gpu(model_dir):
     prompt = random_prompts(1, seed=8, lo=21, hi=21)[0]  # 21 tokens: a partial last block
     single = llm.generate([prompt], greedy(12))[0]
     forked = llm.generate([prompt], SamplingParams(**{**greedy(12).__dict__, "n": 3}))[0]
-    # The children decode from a copy of the parent's partial block (copy_blocks on the
-    # GPU): same KV, same rows, so exactly the same tokens.
+    # The others start from candidate 0's prompt blocks in the prefix cache and compute
+    # its partial last block themselves: the same KV, so exactly the same tokens.
     assert len({tuple(o.token_ids) for o in forked.outputs}) == 1
     assert_greedy_close([RequestOutput(forked.request_id, prompt, forked.outputs[:1])], [single])
     sampled = llm.generate(
@@ -513,8 +512,8 @@ def test_sampler_fast_path_on_cuda_is_the_race_alone_drawing_the_cpu_tokens(dtyp
         banned_ids=[[]] * rows,
         vocab_size=vocab,
     )
-    want = Sampler()(logits, SamplingTensors.from_rows(**columns, device="cpu"))
-    gpu_tensors = SamplingTensors.from_rows(**columns, device="cuda")
+    want = Sampler()(logits, sampling_tensors(**columns, device="cpu"))
+    gpu_tensors = sampling_tensors(**columns, device="cuda")
     gpu_logits = logits.cuda()
     Sampler()(gpu_logits, gpu_tensors)  # compile the kernel outside the profile
     torch.cuda.synchronize()

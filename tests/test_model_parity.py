@@ -97,19 +97,8 @@ class PagedRunner:
             seq_lens.append(end)
             self.seq_lens[seq_id] = end
         tables = [self.block_tables[seq_id] for seq_id, _ in chunks]
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(
-                [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
-            ),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32
-            ),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=BLOCK_SIZE,
+        meta = AttentionMetadata.from_block_tables(
+            query_lens, seq_lens, tables, torch.tensor(slots, dtype=torch.int64), BLOCK_SIZE
         )
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
         logits = self.model.compute_logits(hidden)

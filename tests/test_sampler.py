@@ -14,11 +14,12 @@ from engine.sampler import (
     Sampler,
     SamplerOutput,
     SamplingTensors,
-    _apply_penalties,
+    _penalise_and_ban,
     exponential_noise,
     prompt_logprobs,
 )
 from engine.sampling_params import SamplingParams
+from tests.sampling import sampling_tensors
 
 sampler = Sampler()
 
@@ -32,7 +33,7 @@ def run(
     banned_ids: Sequence[Sequence[int]] | None = None,
 ) -> SamplerOutput:
     rows = len(params)
-    tensors = SamplingTensors.from_rows(
+    tensors = sampling_tensors(
         params,
         seeds=seeds if seeds is not None else list(range(rows)),
         prompt_ids=prompt_ids if prompt_ids is not None else [[]] * rows,
@@ -193,7 +194,7 @@ def test_race_matches_softmax_across_seeds(temperature: float) -> None:
 def test_race_matches_softmax_across_steps_of_one_seed() -> None:
     draws = 20_000
     logits = LOGITS_5[None, :].expand(draws, -1).contiguous()
-    tensors = SamplingTensors.from_rows(
+    tensors = sampling_tensors(
         [SamplingParams()] * draws,
         [1234] * draws,
         [[]] * draws,
@@ -254,8 +255,8 @@ def test_penalty_math_matches_reference() -> None:
     ]
     prompts = [[0, 1, 2, 2], [3, 4], [5, 0, 11], [1, 2, 3]]
     outputs = [[6, 6, 1], [4, 4, 4, 7], [8, 5, 5, 9], [1, 1]]
-    tensors = SamplingTensors.from_rows(params, [0] * 4, prompts, outputs, [[]] * 4, vocab, "cpu")
-    got = _apply_penalties(logits, tensors)
+    tensors = sampling_tensors(params, [0] * 4, prompts, outputs, [[]] * 4, vocab, "cpu")
+    got = _penalise_and_ban(logits, tensors)  # the penalty rows' math, the rest untouched
     for i in range(4):
         expected = reference_penalties(logits[i].tolist(), params[i], prompts[i], outputs[i])
         assert torch.allclose(got[i], torch.tensor(expected), atol=1e-6), i
@@ -275,10 +276,10 @@ def test_penalties_change_the_greedy_choice() -> None:
 def test_unpenalised_rows_are_untouched_by_batch_mates_penalties() -> None:
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), SamplingParams()]
-    tensors = SamplingTensors.from_rows(
+    tensors = sampling_tensors(
         params, [0, 1], [[1, 2, 3], [1, 2, 3]], [[4], [4]], [[], []], 20, "cpu"
     )
-    assert torch.equal(_apply_penalties(logits, tensors)[1], logits[1])
+    assert torch.equal(_penalise_and_ban(logits, tensors)[1], logits[1])
 
 
 def test_banned_ids_are_never_picked() -> None:
@@ -294,7 +295,7 @@ def test_banned_ids_are_never_picked() -> None:
     sampled = draw_many(logits[3], params[3], 1)  # sanity: unbanned, top-2 mostly picks 0
     assert sampled.item() in (0, 1)
     many = torch.tensor([[5.0, 4.0, 0.0, 0.0]]).expand(500, -1).contiguous()
-    tensors = SamplingTensors.from_rows(
+    tensors = sampling_tensors(
         [SamplingParams(temperature=2.0)] * 500,
         range(500),
         [[]] * 500,
@@ -364,7 +365,7 @@ def test_same_seed_and_step_repeat_and_different_seeds_differ() -> None:
     logits = torch.zeros(steps, vocab)  # uniform: every token equally likely
 
     def sequence(seed: int) -> list[int]:
-        tensors = SamplingTensors.from_rows(
+        tensors = sampling_tensors(
             [SamplingParams()] * steps,
             [seed] * steps,
             [[]] * steps,
@@ -477,8 +478,8 @@ def test_gpu_matches_cpu_without_host_sync() -> None:
         banned_ids=[[0, 1]] * rows,
         vocab_size=vocab,
     )
-    on_cpu = sampler(logits, SamplingTensors.from_rows(**columns, device="cpu"))
-    gpu_tensors = SamplingTensors.from_rows(**columns, device="cuda")
+    on_cpu = sampler(logits, sampling_tensors(**columns, device="cpu"))
+    gpu_tensors = sampling_tensors(**columns, device="cuda")
     gpu_logits = logits.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

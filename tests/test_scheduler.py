@@ -17,6 +17,7 @@ from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
 from engine.request import Request, Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
+from engine.batch import SlotBook
 from engine.scheduler import Scheduler, SchedulerOutput
 
 _arrivals = itertools.count()
@@ -30,7 +31,6 @@ def make_seq(prompt: list[int], max_tokens: int, priority: int = 0) -> Sequence:
         max_tokens=max_tokens,
         priority=priority,
         arrival_order=next(_arrivals),
-        forked=True,
     )
     seq = Sequence(request, 0, 0, array("q", prompt), detokenizer=None, stop_matcher=None)
     request.sequences.append(seq)
@@ -47,6 +47,7 @@ def fake_step(sched: Scheduler, out: SchedulerOutput, next_token: int = 7) -> li
         sched.block_manager.register_full_blocks(seq.block_table, seq.token_ids, chunk.end)
         if chunk.samples:
             seq.token_ids.append(next_token)
+            seq.num_tokens += 1
             if seq.num_output_tokens >= seq.request.max_tokens:
                 sched.remove(seq)
                 finished.append(seq)
@@ -67,16 +68,25 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert len(c.seq.block_table.block_ids) * sched.block_manager.block_size >= c.end
     for p in out.preempted:
         assert p not in seqs and p.status is SequenceStatus.WAITING and not p.block_table.block_ids
+        assert p.slot is None
+    slots = [s.slot for s in sched.running]
+    assert None not in slots and len(set(slots)) == len(slots), "two sequences in one slot"
+    assert sched.slots.num_free == cfg.max_num_seqs - len(sched.running)
+
+
+def has_work(sched: Scheduler) -> bool:
+    return bool(sched.waiting or sched.running)
 
 
 def new_scheduler(num_blocks=64, block_size=4, max_seqs=8, budget=32, chunked=True) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
-    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), bm)
+    slots = SlotBook(max_seqs, token_width=num_blocks * block_size + 1, block_width=num_blocks + 1)
+    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), bm, slots)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> int:
     steps = 0
-    while sched.has_work:
+    while has_work(sched):
         out = sched.schedule()
         check_step(sched, out)
         assert not out.is_empty, "scheduler stalled with work left (deadlock)"
@@ -139,7 +149,7 @@ def test_priority_then_fcfs():
     for s in (low, high1, high2):
         sched.add(s)
     order = []
-    while sched.has_work:
+    while has_work(sched):
         out = sched.schedule()
         order.extend(c.seq for c in out.chunks if c.start == 0)
         fake_step(sched, out)
@@ -214,7 +224,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.sched.schedule()
         check_step(self.sched, out)
         if self.live and not out.chunks:
-            assert not self.sched.has_work
+            assert not has_work(self.sched)
         for seq in fake_step(self.sched, out):
             self.live.remove(seq)
 

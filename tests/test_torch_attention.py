@@ -68,19 +68,10 @@ def make_batch(
         full_k.append(k)
         full_v.append(v)
 
-    width = max(len(t) for t in tables)
     query_lens = [c.new for c in cases]
     seq_lens = [c.cached + c.new for c in cases]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(
-            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
-        ),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        block_size=block_size,
+    meta = AttentionMetadata.from_block_tables(
+        query_lens, seq_lens, tables, torch.tensor(slots, dtype=torch.int64), block_size
     )
     new_k = torch.cat([k[c.cached :] for k, c in zip(full_k, cases, strict=True)])
     new_v = torch.cat([v[c.cached :] for v, c in zip(full_v, cases, strict=True)])
@@ -111,7 +102,7 @@ def dense_attention(
 
 def expected_output(batch: Batch, scale: float) -> torch.Tensor:
     outputs, start = [], 0
-    for k, v, n in zip(batch.full_k, batch.full_v, batch.meta.query_lens_cpu, strict=True):
+    for k, v, n in zip(batch.full_k, batch.full_v, batch.meta.query_lens.tolist(), strict=True):
         outputs.append(dense_attention(batch.q[start : start + n], k, v, scale))
         start += n
     return torch.cat(outputs)

@@ -90,14 +90,14 @@ def test_warm_up_leaves_a_fresh_engine_that_serves_the_same_tokens(tiny_qwen3, s
 
 
 class StepSpy:
-    """What the warm-up's steps ran: every call of runner.execute and of copy_blocks."""
+    """What the warm-up's steps ran: every step the engine planned for the runner."""
 
     def __init__(self, engine: LLMEngine):
         self.steps: list[dict] = []
-        self.copies = 0
-        execute, copy_blocks = engine.runner.execute, engine.runner.copy_blocks
+        plan_step = engine._plan
 
-        def spy_execute(chunks, rows, prompt_lp, pending=None):
+        def spy_plan(chunks):
+            plan, samplers = plan_step(chunks)
             self.steps.append(
                 dict(
                     decodes=sum(c.num_tokens == 1 and c.start > 0 for c in chunks),
@@ -105,19 +105,17 @@ class StepSpy:
                               if c.start < c.seq.num_prompt_tokens],
                     hit=any(c.start > 0 and c.start == c.seq.num_cached_tokens
                             for c in chunks if c.start < c.seq.num_prompt_tokens),
-                    params=[r.params for r in rows],
-                    prompt_logprobs=bool(prompt_lp),
-                    banned=any(r.banned_ids for r in rows),
+                    # a later candidate starting from its first's prompt blocks
+                    sibling_hit=any(c.seq.index > 0 and 0 < c.start < c.seq.num_prompt_tokens
+                                    for c in chunks),
+                    params=[seq.request.params for seq, rows, _ in samplers for _ in range(rows)],
+                    prompt_logprobs=bool(plan.prompt_logprobs),
+                    banned=plan.sampling.banned_ids is not None,
                 )
             )  # fmt: skip
-            return execute(chunks, rows, prompt_lp, pending)
+            return plan, samplers
 
-        def spy_copy(pairs):
-            self.copies += len(pairs)
-            return copy_blocks(pairs)
-
-        engine.runner.execute = spy_execute
-        engine.runner.copy_blocks = spy_copy
+        engine._plan = spy_plan
 
 
 def test_warm_up_runs_every_path_traffic_can_take(tiny_qwen3):
@@ -142,7 +140,7 @@ def test_warm_up_runs_every_path_traffic_can_take(tiny_qwen3):
     assert any(p.stop and p.stop_token_ids for p in params)
     assert any(s["banned"] for s in steps), "no min_tokens ban"
     assert any(s["prompt_logprobs"] for s in steps)
-    assert any(p.n > 1 for p in params) and spy.copies > 0, "no fork with a block copy"
+    assert any(p.n > 1 for p in params) and any(s["sibling_hit"] for s in steps), "no n > 1"
     # A step whose rows all take the one-pass sampler (no penalty, ban or filter).
     assert any(
         s["params"] and all(not (p.uses_penalties or p.top_k > 0) for p in s["params"])

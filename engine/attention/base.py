@@ -8,50 +8,85 @@ position seq_len - q_len + j and may attend to keys [0, that position] (causal).
 
 KV pool, one tensor per layer, flashinfer's NHD paged layout:
     kv_cache[layer]: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
-Token t of sequence i lives in block block_tables[i][t // block_size] at offset
-t % block_size. slot_mapping[row] = block_id * block_size + offset is where a new row's
-K/V are written; a slot of -1 means "write nowhere" (padding rows).
+Token t of sequence i lives in block block_table[slots[i], t // block_size] at offset
+t % block_size: block_table is the persistent batch's (engine/batch.py), one row per
+slot. slot_mapping[row] = block_id * block_size + offset is where a new row's K/V are
+written; a slot of -1 means "write nowhere" (padding rows).
 
 The model writes the new rows' K/V into the pool itself, in the same op that rotates q and
 k (engine/kernels/rotary.py's rotary_and_store_kv), so a backend reads K and V only from
 the pool. A step calls the backend's plan(meta) once, before the model runs, then
-forward() once per layer with the same meta, after that layer's K/V are written:
-per-step host work (page tables, masks) belongs in plan.
+forward() once per layer, after that layer's K/V are written: per-step host work (page
+tables, splits, masks) belongs in plan, and each backend keeps what it planned.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
 @dataclass
 class AttentionMetadata:
+    """One step, as every backend gets it; each plans its own tables from it."""
+
+    slots: np.ndarray  # int32 [B]: each sequence's row of block_table
+    query_lens: np.ndarray  # int32 [B]
+    seq_lens: np.ndarray  # int32 [B]
     query_start_loc: torch.Tensor  # int32 [B + 1] on the compute device
-    seq_lens: torch.Tensor  # int32 [B] on the compute device
-    # int32 [B, max_blocks_per_seq] on the compute device, padded with 0. The torch backend
-    # reads it; on CUDA it is None and flashinfer plans from block_tables_cpu instead.
-    block_tables: torch.Tensor | None
-    slot_mapping: torch.Tensor  # int64 [T]
-    # Host copies, for backends that loop or plan on the CPU.
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_device: torch.Tensor  # int32 [B] on the compute device
+    block_table: torch.Tensor  # int32 [num_slots + 1, max_blocks] on the compute device
+    slot_mapping: torch.Tensor  # int64 [T] on the compute device
     block_size: int
-    # Sequence i's blocks that hold its first seq_lens_cpu[i] tokens, no padding.
-    block_tables_cpu: list[list[int]] = field(default_factory=list)
+    graph: bool = False  # a pure-decode step replayed in a CUDA graph (padded batch)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return len(self.seq_lens)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return all(q == 1 for q in self.query_lens_cpu)
+    @classmethod
+    def from_block_tables(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """A step over sequences given by their block lists, slot i holding sequence i."""
+        device = slot_mapping.device
+        width = max(1, max(map(len, block_tables)))
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        q_lens = np.asarray(query_lens, dtype=np.int32)
+        starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        return cls(
+            slots=np.arange(len(seq_lens), dtype=np.int32),
+            query_lens=q_lens,
+            seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            query_start_loc=torch.from_numpy(starts).to(device),
+            seq_lens_device=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+        )
 
 
 class AttentionBackend(Protocol):
+    # Whether the backend runs pure-decode steps inside CUDA graphs (prepare_graph first).
+    supports_cuda_graphs: bool
+
+    def configure(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        """Once, when the model's head shape and dtype are known."""
+        ...
+
     def plan(self, meta: AttentionMetadata) -> None:
         """Once per step, before the forward: the host work every layer shares."""
         ...
@@ -65,3 +100,23 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
         """Attend causally over kv_cache, which already holds this step's new rows."""
         ...
+
+    def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
+        """Device memory prepare_graph takes for these batch sizes."""
+        ...
+
+    def prepare_graph(self, batch_size: int) -> None:
+        """Make graph steps of exactly batch_size sequences plannable, at fixed addresses."""
+        ...
+
+
+class EagerOnly:
+    """For backends that run every step eagerly: no CUDA graphs."""
+
+    supports_cuda_graphs = False
+
+    def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
+        return 0
+
+    def prepare_graph(self, batch_size: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")

@@ -1,4 +1,4 @@
-"""Paged attention on CUDA through flashinfer: the GPU backend.
+"""Paged attention on CUDA through flashinfer: prefills and eager decode steps.
 
 Same contract and KV layout as the torch backend (engine/attention/base.py). The scheduler
 puts decodes (one new token) first in the flat batch, then prefills and prefill chunks.
@@ -9,35 +9,26 @@ are already in the pool (the model stores them as it rotates k), and query row j
 sequence with q_len new tokens attends to keys [0, seq_len - q_len + j] (flashinfer
 aligns the causal mask bottom-right).
 
-plan() runs once per step on the host: it turns the block tables into flashinfer's CSR
-page tables (page_table below: indptr / indices / last_page_len) and plans both wrappers;
-each layer's forward() then only launches kernels.
+plan() runs once per step on the host: it turns the step's sequence lengths into
+flashinfer's CSR page tables (page_table below: indptr / last_page_len, and where in the
+persistent block table each page's id is), gathers the page ids on the device and plans
+both wrappers; each layer's forward() then only launches kernels. Pure-decode steps in
+CUDA graphs run engine/attention/triton_decode.py instead (engine/attention/cuda.py picks).
 
-The pure-decode steps that replay CUDA graphs (engine/cuda_graphs.py) run the engine's own
-Triton decode kernel instead (engine/kernels/decode_attention.py), which splits the KV
-into equal chunks where flashinfer's graph-mode decode cannot (RESULTS.md). Each captured
-batch size has a DecodeWorkspace; plan_graph() copies the step's page table and split
-into it, and into the graph's static page-index buffer, before each replay.
-
-flashinfer and Triton are imported only when a backend is configured, so this module
-imports (and its planning math is tested) on machines without them.
+flashinfer is imported only when the backend is configured, so this module imports (and
+its planning math is tested) on machines without it.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata
-
-if TYPE_CHECKING:
-    from engine.kernels.decode_attention import DecodeWorkspace
+from engine.attention.base import AttentionMetadata, EagerOnly
 
 # flashinfer's float workspace holds split-KV partial results; 128 MiB is its recommendation.
 WORKSPACE_BYTES = 128 * 2**20
@@ -62,41 +53,40 @@ def decode_uses_tensor_cores(batch_size: int, group_size: int) -> bool:
 class PageTable:
     """Some sequences' paged KV in flashinfer's CSR form, on the host."""
 
-    indptr: np.ndarray  # int32 [B + 1]: sequence i's pages are indices[indptr[i]:indptr[i + 1]]
-    indices: np.ndarray  # int32 [indptr[-1]]: block ids, sequence after sequence
+    indptr: np.ndarray  # int32 [B + 1]: sequence i's pages are pages [indptr[i], indptr[i + 1])
+    # int64 [indptr[-1]]: where page p's block id sits in the flat block table
+    # (slot * block_width + the page's number in the sequence)
+    page_index: np.ndarray
     last_page_len: np.ndarray  # int32 [B]: tokens in each sequence's last page, 1..block_size
 
 
 def page_table(
-    seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+    seq_lens: Sequence[int], slots: Sequence[int], block_width: int, block_size: int
 ) -> PageTable:
-    """block_tables[i] must be exactly the blocks holding sequence i's seq_lens[i] tokens."""
+    """The pages of sequences of seq_lens tokens whose blocks are rows `slots` of a block
+    table block_width wide."""
     lens = np.asarray(seq_lens, dtype=np.int32)
     pages = (lens + block_size - 1) // block_size
-    given = np.fromiter(map(len, block_tables), dtype=np.int32, count=len(block_tables))
-    if not np.array_equal(given, pages):
-        raise ValueError(f"block tables of {given.tolist()} pages for {pages.tolist()}")
     indptr = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(pages, out=indptr[1:])
-    indices = np.fromiter(
-        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(indptr[-1])
-    )
-    return PageTable(indptr, indices, lens - (pages - 1) * block_size)
+    row_starts = np.asarray(slots, dtype=np.int64) * block_width - indptr[:-1]
+    page_index = np.repeat(row_starts, pages) + np.arange(int(indptr[-1]), dtype=np.int64)
+    return PageTable(indptr, page_index, lens - (pages - 1) * block_size)
 
 
 @dataclass
 class StepPages:
     """One step's page tables, split into the decode run and the prefill rest.
 
-    Both halves index into one `indices` array, so it crosses to the GPU in one copy; the
-    prefill half's indptr is relative to its own first page (decode_indptr[-1])."""
+    Both halves index one page list, so its ids are gathered in one go; the prefill
+    half's indptr is relative to its own first page (decode_indptr[-1])."""
 
     num_decodes: int  # leading one-token sequences, which are also rows [0, num_decodes)
-    indices: np.ndarray  # int32: every sequence's blocks, in batch order
+    page_index: np.ndarray  # int64: every sequence's pages, in batch order (PageTable)
     decode_indptr: np.ndarray  # int32 [D + 1]
     decode_last_page_len: np.ndarray  # int32 [D]
     prefill_qo_indptr: np.ndarray  # int32 [P + 1]: query rows, from row num_decodes
-    prefill_indptr: np.ndarray  # int32 [P + 1], into indices[decode_indptr[-1]:]
+    prefill_indptr: np.ndarray  # int32 [P + 1], into the pages from decode_indptr[-1]
     prefill_last_page_len: np.ndarray  # int32 [P]
 
     @property
@@ -107,20 +97,23 @@ class StepPages:
 def split_step(
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    slots: Sequence[int],
+    block_width: int,
     block_size: int,
 ) -> StepPages:
     # The decode kernel takes the leading one-token sequences. A later one (a prompt whose
     # last token alone was left after a prefix hit) joins the prefills: their kernel
     # handles a query of any length, so the split is right whatever the order.
-    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-    table = page_table(seq_lens, block_tables, block_size)
+    query_lens = np.asarray(query_lens, dtype=np.int32)
+    longer = np.flatnonzero(query_lens != 1)
+    num_decodes = int(longer[0]) if len(longer) else len(query_lens)
+    table = page_table(seq_lens, slots, block_width, block_size)
     prefill_indptr = table.indptr[num_decodes:] - table.indptr[num_decodes]
     qo_indptr = np.zeros(len(query_lens) - num_decodes + 1, dtype=np.int32)
-    np.cumsum(np.asarray(query_lens[num_decodes:], dtype=np.int32), out=qo_indptr[1:])
+    np.cumsum(query_lens[num_decodes:], out=qo_indptr[1:])
     return StepPages(
         num_decodes=num_decodes,
-        indices=table.indices,
+        page_index=table.page_index,
         decode_indptr=table.indptr[: num_decodes + 1],
         decode_last_page_len=table.last_page_len[:num_decodes],
         prefill_qo_indptr=qo_indptr,
@@ -129,20 +122,21 @@ def split_step(
     )
 
 
-class FlashInferAttention:
-    """The AttentionBackend for CUDA. Build it, load the model with it, then configure()."""
+class FlashInferAttention(EagerOnly):
+    """Every step eagerly through flashinfer's wrappers. Build it, load the model with it,
+    then configure()."""
 
     def __init__(self, device: torch.device):
         assert device.type == "cuda", device
         self.device = device
 
     def configure(
-        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
         """Create the wrappers once the model's head shape and dtype are known."""
         import flashinfer
 
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.dtype = dtype
         self.scale = head_dim**-0.5  # what the model passes to forward(); checked there
         # "Must be initialized to 0 for its first use" (flashinfer); shared by every wrapper,
@@ -156,13 +150,9 @@ class FlashInferAttention:
             for tensor_cores in {self._tensor_cores(1), self._tensor_cores(TENSOR_CORE_MIN_BATCH)}
         }
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        # CUDA-graph decode: batch size -> its workspace; the graphs' static page indices.
-        self._graph_work: dict[int, DecodeWorkspace] = {}
-        self._graph_kv_indices: torch.Tensor | None = None
-        # What forward() runs this step: rows [0, num_decode_rows) through self._decode (or
-        # the Triton kernel on self._graph_step's workspace), the rest through self._prefill.
+        # What forward() runs this step: rows [0, num_decode_rows) through self._decode,
+        # the rest through self._prefill.
         self._decode: Any = None
-        self._graph_step: DecodeWorkspace | None = None
         self._num_decode_rows = 0
         # A wrapper's plan() stages its schedule in one pinned host buffer and copies it to
         # the device asynchronously; with the device running a step ahead (async
@@ -174,11 +164,15 @@ class FlashInferAttention:
     def plan(self, meta: AttentionMetadata) -> None:
         self._plan_copied.synchronize()  # at once, but for a plan still queued behind a step
         pages = split_step(
-            meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables_cpu, meta.block_size
+            meta.query_lens,
+            meta.seq_lens,
+            meta.slots,
+            meta.block_table.shape[1],
+            meta.block_size,
         )
-        indices_gpu = _to_gpu(pages.indices, self.device)
+        page_index = _pinned(pages.page_index).to(self.device, non_blocking=True)
+        indices_gpu = meta.block_table.view(-1)[page_index]
         self._decode = self._eager_decode[self._tensor_cores(pages.num_decodes)]
-        self._graph_step = None
         self._num_decode_rows = pages.num_decodes
         if pages.num_decodes:
             self._plan_decode(
@@ -206,40 +200,6 @@ class FlashInferAttention:
                 non_blocking=True,
             )
         self._plan_copied.record()
-
-    def add_graph_batch_size(self, batch_size: int, kv_indices: torch.Tensor) -> None:
-        """Decode for CUDA graphs of exactly batch_size sequences, whose page indices the
-        captured kernels read from kv_indices (static, shared by every batch size)."""
-        from engine.kernels import decode_attention
-
-        self._graph_kv_indices = kv_indices
-        self._graph_work[batch_size] = decode_attention.DecodeWorkspace(
-            batch_size, self.num_qo_heads, self.head_dim, _num_sms(self.device), self.device
-        )
-
-    def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
-        """Device memory add_graph_batch_size takes for these batch sizes."""
-        from engine.kernels.decode_attention import DecodeWorkspace
-
-        sms = _num_sms(self.device)
-        return sum(
-            DecodeWorkspace.nbytes(b, self.num_qo_heads, self.head_dim, sms) for b in batch_sizes
-        )
-
-    def plan_graph(
-        self, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
-    ) -> None:
-        """Plan a pure-decode step of a captured batch size (padding rows included): copies
-        its page indices and plan into the graph's buffers, for a capture or a replay."""
-        work = self._graph_work[len(seq_lens)]
-        table = page_table(seq_lens, block_tables, block_size)
-        plan = work.host_plan(np.asarray(seq_lens, dtype=np.int32), table.indptr)
-        indices = table.indices
-        self._graph_kv_indices[: len(indices)].copy_(_pinned(indices), non_blocking=True)
-        work.plan.copy_(_pinned(plan), non_blocking=True)
-        # The pinned copies need no wait: torch's pinned allocator keeps each buffer until
-        # its copy has run.
-        self._graph_step, self._num_decode_rows = work, len(seq_lens)
 
     def _tensor_cores(self, batch_size: int) -> bool:
         return decode_uses_tensor_cores(batch_size, self.num_qo_heads // self.num_kv_heads)
@@ -279,12 +239,6 @@ class FlashInferAttention:
     ) -> torch.Tensor:
         assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
         rows = self._num_decode_rows
-        if self._graph_step is not None:
-            from engine.kernels.decode_attention import paged_decode_attention
-
-            return paged_decode_attention(
-                q, kv_cache, self._graph_kv_indices, self._graph_step, self.scale
-            )
         if rows == q.shape[0]:
             return self._decode.run(q, kv_cache)
         out = torch.empty_like(q)
@@ -294,15 +248,6 @@ class FlashInferAttention:
         return out
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _pinned(array: np.ndarray) -> torch.Tensor:
     """A host tensor in page-locked memory, so a non_blocking copy of it is asynchronous."""
     return torch.from_numpy(array).pin_memory()
-
-
-def _to_gpu(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return _pinned(array).to(device, non_blocking=True)

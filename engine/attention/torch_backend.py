@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionMetadata, EagerOnly
 
 DECODE_GROUP_SIZE = 4
 
@@ -45,10 +45,15 @@ class StepPlan:
     prefills: list[tuple[int, int, int]]  # (sequence, first row, end row)
 
 
-class TorchPagedAttention:
+class TorchPagedAttention(EagerOnly):
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
         self._planned_for: AttentionMetadata | None = None
+
+    def configure(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        pass  # it reads the head shape off its inputs
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._plan, self._planned_for = plan_step(meta), meta
@@ -101,9 +106,9 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         q_len, num_q_heads, head_dim = q.shape
-        seq_len = meta.seq_lens_cpu[seq]
+        seq_len = int(meta.seq_lens[seq])
         num_blocks = -(-seq_len // meta.block_size)
-        table = meta.block_tables[seq, :num_blocks].long()
+        table = meta.block_table[int(meta.slots[seq]), :num_blocks].long()
         keys, values = gather_blocks(kv_cache, table, 1, seq_len)
         num_kv_heads = keys.shape[2]
         group = num_q_heads // num_kv_heads
@@ -132,19 +137,20 @@ class TorchPagedAttention:
 
 
 def plan_step(meta: AttentionMetadata) -> StepPlan:
-    assert meta.block_tables is not None, "the torch backend reads the device block tables"
     device = meta.slot_mapping.device
-    starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
+    query_lens, seq_lens = meta.query_lens.tolist(), meta.seq_lens.tolist()
+    slots = torch.as_tensor(meta.slots, dtype=torch.int64, device=device)
+    starts = list(itertools.accumulate(query_lens, initial=0))
 
     # Decodes attend in groups of similar length, each padded only to its own longest
     # sequence: a step that mixes short and long contexts then copies and attends far
     # less padding, for a few more (cheap) calls.
-    decodes = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
-    decodes.sort(key=lambda i: meta.seq_lens_cpu[i])
+    decodes = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+    decodes.sort(key=lambda i: seq_lens[i])
     groups = []
     for first in range(0, len(decodes), DECODE_GROUP_SIZE):
         seqs = decodes[first : first + DECODE_GROUP_SIZE]
-        lens = [meta.seq_lens_cpu[i] for i in seqs]
+        lens = [seq_lens[i] for i in seqs]
         max_len = max(lens)
         num_blocks = -(-max_len // meta.block_size)
         positions = torch.arange(max_len, device=device)
@@ -152,14 +158,14 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
         groups.append(
             DecodeGroup(
                 rows=torch.tensor([starts[i] for i in seqs], device=device),
-                block_table=meta.block_tables[seqs, :num_blocks].reshape(-1).long(),
+                block_table=meta.block_table[slots[seqs], :num_blocks].reshape(-1).long(),
                 num_blocks=num_blocks,
                 max_len=max_len,
                 key_valid=key_valid[:, None, None, :],
             )
         )
     prefills = [
-        (i, starts[i], starts[i + 1]) for i, q_len in enumerate(meta.query_lens_cpu) if q_len > 1
+        (i, starts[i], starts[i + 1]) for i, q_len in enumerate(query_lens) if q_len > 1
     ]
     return StepPlan(decode_groups=groups, prefills=prefills)
 

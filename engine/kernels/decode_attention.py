@@ -15,7 +15,7 @@ whole GPU streaming KV to the end. On the H200, at the offline workload's decode
 this kernel takes 158 / 162 / 122 / 78 / 44 us a layer against flashinfer's best
 170 / 174 / 132 / 80 / 47 (benchmarks/RESULTS.md).
 
-The CUDA-graph decode runs it (engine/attention/flashinfer_backend.py): a DecodeWorkspace
+The CUDA-graph decode runs it (engine/attention/triton_decode.py): a DecodeWorkspace
 per captured batch size holds the step's plan at fixed device addresses, and every launch
 covers the workspace's capacity of items, so a graph replays any step's split unchanged.
 """
@@ -88,7 +88,7 @@ def _decode_chunk_kernel(
     kv_stride_kv,
     kv_stride_tok,
     kv_stride_head,
-    kv_indptr_ptr,
+    kv_first_page_ptr,
     kv_indices_ptr,
     seq_lens_ptr,
     item_seq_ptr,
@@ -120,7 +120,7 @@ def _decode_chunk_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = tl.load(item_chunk_ptr + item) * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
-    first_block = tl.load(kv_indptr_ptr + seq)
+    first_block = tl.load(kv_first_page_ptr + seq)
     _pdl_start(PDL)  # wait for q and the K/V just written; let the merge start launching
 
     rows = tl.arange(0, GROUP_ROWS)
@@ -219,7 +219,8 @@ class DecodeWorkspace:
     """One decode batch size's device buffers, at fixed addresses for its CUDA graph.
 
     `plan` (int32) holds a step's whole plan, which host_plan() lays out for one
-    copy: the page table's indptr [B + 1], the sequence lengths [B], each sequence's items
+    copy: where each sequence's first page id is in kv_indices [B + 1] (a CSR indptr, or
+    slot * block_width for rows of a block table), the sequence lengths [B], each sequence's items
     [B + 1], the item count and chunk length [2], then each item's sequence and chunk index
     [capacity each]. The float buffers take the partial results of split sequences."""
 
@@ -239,7 +240,7 @@ class DecodeWorkspace:
         self._at = np.cumsum([0, *self._plan_sizes(batch_size, capacity)])
         self.plan = torch.zeros(int(self._at[-1]), dtype=torch.int32, device=device)
         (
-            self.kv_indptr,
+            self.kv_first_page,
             self.seq_lens,
             self.item_indptr,
             self.split,
@@ -262,15 +263,16 @@ class DecodeWorkspace:
         plan = sum(cls._plan_sizes(batch_size, capacity))
         return 4 * (plan + capacity * num_q_heads * (head_dim + 1))  # + part_out, part_lse
 
-    def host_plan(self, seq_lens: np.ndarray, kv_indptr: np.ndarray) -> np.ndarray:
-        """The step's `plan`, for sequences of seq_lens tokens whose pages kv_indptr gives."""
+    def host_plan(self, seq_lens: np.ndarray, first_pages: np.ndarray) -> np.ndarray:
+        """The step's `plan`, for sequences of seq_lens tokens whose page ids start at
+        kv_indices[first_pages[i]] (the last entry is unread)."""
         assert len(seq_lens) == self.batch_size, (len(seq_lens), self.batch_size)
         split = decode_split(seq_lens, self.target_items, self.config.block_n)
         num_items = len(split.item_seq)
         assert num_items <= self.capacity, (num_items, self.capacity)
         plan = np.zeros(int(self._at[-1]), dtype=np.int32)
         at = self._at
-        plan[at[0] : at[1]] = kv_indptr
+        plan[at[0] : at[1]] = first_pages
         plan[at[1] : at[2]] = seq_lens
         plan[at[2] : at[3]] = split.item_indptr
         plan[at[3] : at[4]] = (num_items, split.chunk_tokens)
@@ -306,7 +308,7 @@ def paged_decode_attention(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
-        work.kv_indptr,
+        work.kv_first_page,
         kv_indices,
         work.seq_lens,
         work.item_seq,

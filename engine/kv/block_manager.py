@@ -28,11 +28,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.errors import EngineError
-
-
-class OutOfBlocksError(EngineError):
-    """No KV block is allocatable right now. The scheduler preempts a sequence and retries."""
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -70,10 +65,6 @@ class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up with match_prefix
     hit_tokens: int = 0  # of those, tokens served from the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -104,13 +95,6 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Blocks published in the prefix cache, held or not."""
         return len(self._cached_block_ids)
-
-    @property
-    def usage(self) -> float:
-        return self._num_used_blocks / self.num_blocks
-
-    def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_count
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         """Extra blocks `table` needs to hold `num_tokens` tokens."""
@@ -170,47 +154,31 @@ class BlockManager:
             chunk = tuple(token_ids[start : start + self.block_size])
             block_hash = hash_block(table.last_hash, chunk)
             block_id = table.block_ids[index]
-            block = self._blocks[block_id]
-            if block.content is None:
-                parent_prefix_id = (
-                    self._content_of(table.block_ids[index - 1]).prefix_id if index > 0 else None
-                )
-                self._register(block_id, block_hash, chunk, parent_prefix_id)
-            else:
-                # Shared with a fork sibling that registered it first.
-                assert block.content.token_ids == chunk and block.content.block_hash == block_hash
+            assert self._blocks[block_id].content is None, "registering a block twice"
+            parent_prefix_id = (
+                self._content_of(table.block_ids[index - 1]).prefix_id if index > 0 else None
+            )
+            self._register(block_id, block_hash, chunk, parent_prefix_id)
             table.num_hashed_blocks = index + 1
             table.last_hash = block_hash
 
-    def fork(self, table: BlockTable, num_tokens: int) -> tuple[BlockTable, tuple[int, int] | None]:
-        """A child table for another candidate of the same sequence, `num_tokens` long.
-
-        Full blocks are shared. A partial last block is not (both candidates will write to it):
-        the child gets a fresh block and the returned (src, dst) pair tells the caller to copy
-        its KV. Raises OutOfBlocksError, changing nothing, when no block is free for that copy.
-        """
-        num_full_blocks, num_partial_tokens = divmod(num_tokens, self.block_size)
-        assert self.blocks_needed(table, num_tokens) == 0, "fork beyond the table's blocks"
-        assert table.num_hashed_blocks <= num_full_blocks
-        if num_partial_tokens and self.num_free_blocks == 0:
-            raise OutOfBlocksError("no free KV block to copy the partial last block into")
-        child = BlockTable(
-            block_ids=table.block_ids[:num_full_blocks],
-            num_hashed_blocks=table.num_hashed_blocks,
-            last_hash=table.last_hash,
-        )
-        for block_id in child.block_ids:
-            self._take_reference(block_id)
-        if not num_partial_tokens:
-            return child, None
-        src_block_id = table.block_ids[num_full_blocks]
-        dst_block_id = self._take_unused_block()
-        child.block_ids.append(dst_block_id)
-        return child, (src_block_id, dst_block_id)
-
     def free(self, table: BlockTable) -> None:
         """Drop the table's references, tail first so its tail blocks are evicted first."""
-        for block_id in reversed(table.block_ids):
+        self._release(reversed(table.block_ids))
+        table.block_ids.clear()
+        table.num_hashed_blocks = 0
+        table.last_hash = None
+
+    def shrink(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens (tokens rolled back: they
+        were never registered, so no other table shares these blocks)."""
+        keep = -(-num_tokens // self.block_size)
+        assert keep >= table.num_hashed_blocks, "shrinking into registered blocks"
+        self._release(reversed(table.block_ids[keep:]))
+        del table.block_ids[keep:]
+
+    def _release(self, block_ids) -> None:  # noqa: ANN001 - an iterable of block ids
+        for block_id in block_ids:
             block = self._blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed more often than taken"
             block.ref_count -= 1
@@ -222,12 +190,6 @@ class BlockManager:
             else:
                 block.content = None
                 self._free_block_ids.append(block_id)
-        table.block_ids.clear()
-        table.num_hashed_blocks = 0
-        table.last_hash = None
-
-    def reset_prefix_cache_stats(self) -> None:
-        self.prefix_cache_stats = PrefixCacheStats()
 
     def reset(self) -> None:
         """Back to as built: every block free, the prefix cache empty, the stats zero. Only

@@ -1,0 +1,45 @@
+"""The CUDA attention backend: flashinfer for eager steps, Triton for CUDA-graph decode.
+
+Each step's metadata says whether it replays a graph (AttentionMetadata.graph); plan()
+hands the step to that backend and forward() runs whichever was planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.flashinfer_backend import FlashInferAttention
+from engine.attention.triton_decode import TritonGraphDecode
+
+
+class CudaAttention:
+    supports_cuda_graphs = True
+
+    def __init__(self, device: torch.device):
+        self.eager = FlashInferAttention(device)
+        self.graph_decode = TritonGraphDecode(device)
+        self._planned: AttentionBackend = self.eager
+
+    def configure(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        self.eager.configure(num_q_heads, num_kv_heads, head_dim, dtype)
+        self.graph_decode.configure(num_q_heads, num_kv_heads, head_dim, dtype)
+
+    def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
+        return self.graph_decode.graph_workspace_bytes(batch_sizes)
+
+    def prepare_graph(self, batch_size: int) -> None:
+        self.graph_decode.prepare_graph(batch_size)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._planned = self.graph_decode if meta.graph else self.eager
+        self._planned.plan(meta)
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return self._planned.forward(q, kv_cache, meta, scale)

@@ -1,0 +1,71 @@
+"""The CUDA-graph decode backend: pure-decode steps through the engine's Triton kernel.
+
+engine/kernels/decode_attention.py splits every sequence's KV into chunks of one length,
+where flashinfer's graph-mode decode cannot (benchmarks/RESULTS.md). Each captured batch
+size has a DecodeWorkspace at fixed addresses; plan() copies the step's lengths and
+split into it before a replay. The kernel reads each sequence's block ids straight from
+its row of the persistent block table (kv_indices is the whole table, flat; a
+sequence's first page is at slot * block_width), so no page list is built or copied.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionMetadata
+
+
+class TritonGraphDecode:
+    supports_cuda_graphs = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._work: dict = {}  # batch size -> its DecodeWorkspace
+        self._step = None  # the workspace planned for this step
+        self._kv_indices: torch.Tensor | None = None
+
+    def configure(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        self.num_q_heads, self.head_dim = num_q_heads, head_dim
+
+    def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
+        from engine.kernels.decode_attention import DecodeWorkspace
+
+        sms = _num_sms(self.device)
+        return sum(
+            DecodeWorkspace.nbytes(b, self.num_q_heads, self.head_dim, sms) for b in batch_sizes
+        )
+
+    def prepare_graph(self, batch_size: int) -> None:
+        from engine.kernels.decode_attention import DecodeWorkspace
+
+        self._work[batch_size] = DecodeWorkspace(
+            batch_size, self.num_q_heads, self.head_dim, _num_sms(self.device), self.device
+        )
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """A pure-decode step of a prepared batch size, padding rows included."""
+        work = self._work[meta.num_seqs]
+        width = meta.block_table.shape[1]
+        first_pages = np.append(meta.slots.astype(np.int32) * width, 0).astype(np.int32)
+        plan = work.host_plan(meta.seq_lens, first_pages)
+        # torch's pinned allocator keeps the buffer until its copy has run: no wait needed.
+        work.plan.copy_(torch.from_numpy(plan).pin_memory(), non_blocking=True)
+        self._step, self._kv_indices = work, meta.block_table.view(-1)
+
+    def forward(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        from engine.kernels.decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, kv_cache, self._kv_indices, self._step, scale)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,135 @@
+"""The persistent batch: every running sequence's token ids and KV blocks, on the device.
+
+A running sequence owns a slot: row `slot` of the token table (its token ids by
+position) and of the block table (its KV blocks in order), both resident on the device
+for as long as it runs. A step reads its input ids from the token table and its KV slots
+and pages from the block table; the sampler writes each new token into its sequence's
+row. So a step can be queued before the host has read the previous step's tokens, and a
+penalty reads a sequence's history where it already is.
+
+The host (SlotBook) keeps which slots are free and how much of each block row the device
+has, and sends only what changed before a step (BatchChanges): the rows of sequences
+placed in a slot, blocks appended to a row, tokens a proposer wrote. A freed slot's rows
+stay as they are: nothing reads a row beyond its sequence's length.
+
+Row num_slots is padding: its block row is all block 0, the page the padding rows of a
+CUDA graph attend to, and its tokens are 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class BatchChanges:
+    """Writes into the tables before a step, as flat indices into each table."""
+
+    token_index: np.ndarray  # int64: slot * token_width + position
+    token_ids: np.ndarray  # int32
+    block_index: np.ndarray  # int64: slot * block_width + the block's number in the row
+    block_ids: np.ndarray  # int32
+
+
+class SlotBook:
+    """The host's record of the persistent batch, and the changes not yet sent."""
+
+    def __init__(self, num_slots: int, token_width: int, block_width: int):
+        self.num_slots = num_slots
+        self.token_width = token_width
+        self.block_width = block_width
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest
+        self._blocks_on_device = [0] * num_slots
+        self._token_writes: list[tuple[int, Sequence[int]]] = []  # (flat start, ids)
+        self._block_writes: list[tuple[int, Sequence[int]]] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def place(self, token_ids: Sequence[int], block_ids: list[int]) -> int:
+        """A slot for a sequence that starts running: its rows get all it has."""
+        slot = self._free.pop()
+        self.write_tokens(slot, 0, token_ids)
+        self._blocks_on_device[slot] = 0
+        self.sync_blocks(slot, block_ids)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def write_tokens(self, slot: int, start: int, token_ids: Sequence[int]) -> None:
+        assert start + len(token_ids) <= self.token_width, "past the token row"
+        self._token_writes.append((slot * self.token_width + start, token_ids))
+
+    def sync_blocks(self, slot: int, block_ids: list[int]) -> None:
+        """The block row follows block_ids: appended blocks are sent; a shorter table
+        (blocks given back after a rollback) only forgets the rest."""
+        have = self._blocks_on_device[slot]
+        if len(block_ids) > have:
+            self._block_writes.append((slot * self.block_width + have, block_ids[have:]))
+        self._blocks_on_device[slot] = len(block_ids)
+
+    def take_changes(self) -> BatchChanges:
+        token_index, token_ids = _flat(self._token_writes)
+        block_index, block_ids = _flat(self._block_writes)
+        self._token_writes, self._block_writes = [], []
+        return BatchChanges(token_index, token_ids, block_index, block_ids)
+
+
+def _flat(writes: list[tuple[int, Sequence[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    if not writes:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+    index = np.concatenate([np.arange(start, start + len(ids)) for start, ids in writes])
+    values = np.concatenate([np.asarray(ids, dtype=np.int32) for _, ids in writes])
+    return index.astype(np.int64), values
+
+
+class DeviceBatch:
+    """The tables themselves, one row per slot plus the padding row."""
+
+    def __init__(self, num_slots: int, token_width: int, block_width: int, device: torch.device):
+        self.padding_slot = num_slots
+        self.token_ids = torch.zeros(num_slots + 1, token_width, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(
+            num_slots + 1, block_width, dtype=torch.int32, device=device
+        )
+
+    def apply(self, token_index, token_ids, block_index, block_ids) -> None:  # noqa: ANN001
+        """Write a step's BatchChanges (their arrays, on the device)."""
+        self.token_ids.view(-1).index_copy_(0, token_index, token_ids)
+        self.block_table.view(-1).index_copy_(0, block_index, block_ids)
+
+    def inputs(
+        self, row_slots: torch.Tensor, positions: torch.Tensor, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per flat row (its slot and position, int64): the input token id and the KV slot
+        its K/V go to (-1, nowhere, for padding rows)."""
+        token_width, block_width = self.token_ids.shape[1], self.block_table.shape[1]
+        input_ids = self.token_ids.view(-1)[row_slots * token_width + positions].long()
+        blocks = self.block_table.view(-1)[row_slots * block_width + positions // block_size]
+        kv_slots = blocks.long() * block_size + positions % block_size
+        return input_ids, kv_slots.masked_fill(row_slots == self.padding_slot, -1)
+
+    def write_tokens(self, token_index: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Sampled tokens into their rows (token_index: slot * token_width + position)."""
+        self.token_ids.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
+
+    def history(
+        self,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+        width: int,
+        pad: int,
+    ) -> torch.Tensor:
+        """int64 [R, width]: row r holds slot r's tokens at positions [starts[r], ends[r])
+        and the pad id elsewhere."""
+        ids = self.token_ids[slots, :width].long()
+        positions = torch.arange(width, device=ids.device)
+        inside = (positions >= starts[:, None]) & (positions < ends[:, None])
+        return ids.masked_fill(~inside, pad)

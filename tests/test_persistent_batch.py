@@ -1,0 +1,295 @@
+"""The engine core's device-side batch: slots whose token and block rows live on the
+device, a runner driven by plain step plans, multi-token steps that verify proposed
+tokens and roll back the rest, and the per-row logits mask."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.batch import SlotBook
+from engine.llm import LLM
+from engine.request import Sequence
+from engine.runner import StepPlan
+from engine.sampler import SamplingRows
+from engine.sampling_params import SamplingParams
+from tests.test_engine import GREEDY, assert_pool_empty, random_prompts
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+def make_llm(tiny_llama, **kwargs) -> LLM:
+    return LLM(str(tiny_llama), num_blocks=kwargs.pop("num_blocks", 64), block_size=4, **kwargs)
+
+
+# ---- the slot book ------------------------------------------------------------------------
+
+
+def test_slot_book_sends_rows_once_then_only_what_changed():
+    book = SlotBook(num_slots=2, token_width=10, block_width=3)
+    a = book.place([5, 6, 7], [4])
+    b = book.place([8], [2])
+    assert (a, b) == (0, 1)
+    changes = book.take_changes()
+    assert changes.token_index.tolist() == [0, 1, 2, 10]
+    assert changes.token_ids.tolist() == [5, 6, 7, 8]
+    assert changes.block_index.tolist() == [0, 3] and changes.block_ids.tolist() == [4, 2]
+
+    book.sync_blocks(a, [4])  # nothing new
+    book.sync_blocks(b, [2, 9])  # one block appended
+    changes = book.take_changes()
+    assert changes.token_index.size == 0
+    assert changes.block_index.tolist() == [4] and changes.block_ids.tolist() == [9]
+
+    book.sync_blocks(b, [2])  # rolled back: forgets, sends nothing
+    book.sync_blocks(b, [2, 11])
+    assert book.take_changes().block_ids.tolist() == [11]
+    book.release(a)
+    assert book.place([1], [3]) == a and book.num_free == 0
+
+
+# ---- the device rows follow the sequences -------------------------------------------------
+
+
+def assert_rows_match(llm: LLM) -> None:
+    """Every running sequence's slot holds its tokens and blocks on the device."""
+    batch = llm.engine.runner.batch
+    for seq in llm.engine.scheduler.running:
+        known = len(seq.token_ids)
+        row = batch.token_ids[seq.slot, :known].tolist()
+        assert row == seq.token_ids.tolist(), "token row differs from the sequence"
+        blocks = seq.block_table.block_ids
+        assert batch.block_table[seq.slot, : len(blocks)].tolist() == blocks
+
+
+def test_slots_hold_each_running_sequence_and_decodes_send_only_new_blocks(tiny_llama, monkeypatch):
+    llm = make_llm(tiny_llama, num_blocks=40, async_scheduling=False)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    steps = []  # per step: (token ids sent, block ids sent, sequences, all decodes)
+    placed = []  # tokens of every sequence placed in a slot
+    execute, place = engine.runner.execute, engine.scheduler.slots.place
+
+    def spy_execute(plan: StepPlan):
+        decodes = bool((plan.query_lens == 1).all())
+        sent = (plan.changes.token_ids.size, plan.changes.block_ids.size)
+        steps.append((*sent, len(plan.slots), decodes))
+        return execute(plan)
+
+    def spy_place(token_ids, block_ids):
+        placed.append(len(token_ids))
+        return place(token_ids, block_ids)
+
+    monkeypatch.setattr(engine.runner, "execute", spy_execute)
+    monkeypatch.setattr(engine.scheduler.slots, "place", spy_place)
+    prompts = random_prompts(6, vocab, seed=3, lo=5, hi=30)
+    for i, prompt in enumerate(prompts):  # 40 blocks of 4: preemption recomputes some
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=24, **GREEDY))
+    while engine.has_unfinished_requests:
+        engine.step()
+        assert_rows_match(llm)
+    assert engine.scheduler.num_preemptions > 0
+    # Token ids travel when a sequence is placed in a slot, never again; a decode step
+    # sends at most the one block each sequence grows into.
+    assert sum(t for t, _, _, _ in steps) == sum(placed)
+    decode_steps = [(t, b, n) for t, b, n, decodes in steps if decodes and not t]
+    assert len(decode_steps) > len(steps) / 2
+    assert all(b <= n for _, b, n in decode_steps)
+    assert any(b == 0 for _, b, _ in decode_steps)
+    assert_pool_empty(llm)
+
+
+def test_penalties_and_candidates_run_ahead_without_a_sync(tiny_llama):
+    """Penalties read the token rows on the device, and n > 1 needs no fork: neither
+    makes the async engine wait for a step's tokens before queueing the next."""
+    llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=True)
+    sync = make_llm(tiny_llama, num_blocks=128, async_scheduling=False)
+    params = [
+        SamplingParams(max_tokens=16, seed=1, repetition_penalty=1.4, frequency_penalty=0.6),
+        SamplingParams(max_tokens=16, n=3, seed=2, temperature=0.9, presence_penalty=0.5),
+    ]
+    prompts = random_prompts(2, llm.engine.model_config.vocab_size, seed=4, lo=6, hi=20)
+    engine = llm.engine
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, sp)
+    ran_ahead = 0
+    while engine.has_unfinished_requests:
+        engine.step()
+        in_flight = engine._in_flight
+        ran_ahead += in_flight is not None and not in_flight.collect_before_next
+    assert ran_ahead > 10
+    want = sync.generate(prompts, params)
+    got = llm.generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+# ---- the runner takes plain arrays --------------------------------------------------------
+
+
+def test_runner_decodes_from_a_hand_written_plan(tiny_llama):
+    """No scheduler, no sequences: slots, lengths and sampling rows make the same greedy
+    tokens as the engine."""
+    llm = make_llm(tiny_llama, async_scheduling=False)
+    prompt = random_prompts(1, llm.engine.model_config.vocab_size, seed=9, lo=9, hi=9)[0]
+    want = llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].outputs[0].token_ids
+
+    runner = llm.engine.runner
+    book = SlotBook(2, runner.token_width, runner.block_width)
+    slot = book.place(prompt, [3, 4, 5, 6])  # 16 positions in blocks the pool has free
+    greedy = SamplingParams(max_tokens=6, **GREEDY)
+    got, length, query = [], len(prompt), len(prompt)
+    for _ in range(6):
+        plan = StepPlan(
+            slots=np.array([slot], dtype=np.int32),
+            query_lens=np.array([query], dtype=np.int32),
+            seq_lens=np.array([length], dtype=np.int32),
+            num_samples=np.array([1], dtype=np.int32),
+            num_prompt_tokens=np.array([len(prompt)], dtype=np.int32),
+            sampling=SamplingRows.build(
+                [greedy], [0], [length - len(prompt)], [[]], runner.config.vocab_size
+            ),
+            prompt_logprobs={},
+            changes=book.take_changes(),
+        )
+        got += runner.collect(runner.execute(plan)).token_ids
+        length, query = length + 1, 1
+    assert got == want
+    assert runner.batch.token_ids[slot, : len(prompt) + 6].tolist() == prompt + want
+
+
+# ---- multi-token steps ----------------------------------------------------------------------
+
+
+class StubProposer:
+    """Proposes the tokens a reference run produced, with some deliberately wrong."""
+
+    def __init__(self, reference: dict[tuple[str, int], list[int]], wrong_every: int, seed: int):
+        self.reference = reference
+        self.wrong_every = wrong_every
+        self.rng = random.Random(seed)
+        self.proposed = 0
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        known = self.reference[seq.request.request_id, seq.index]
+        done = seq.num_output_tokens
+        guesses = list(known[done : done + self.rng.randint(0, 4)])[:max_tokens]
+        for i in range(len(guesses)):
+            if self.rng.randrange(self.wrong_every) == 0:
+                guesses[i] = (guesses[i] + 1) % 400
+        self.proposed += len(guesses)
+        return guesses
+
+
+@pytest.mark.parametrize("wrong_every", [1000, 3, 1])  # mostly right, mixed, always wrong
+def test_verified_proposals_equal_the_plain_path_token_for_token(tiny_llama, wrong_every):
+    vocab = 400
+    prompts = random_prompts(6, vocab, seed=11, lo=4, hi=30)
+    sampled = dict(temperature=0.9, top_k=30, ignore_eos=True)
+    params = [
+        SamplingParams(max_tokens=20, **GREEDY),
+        SamplingParams(max_tokens=18, seed=1, **sampled),
+        SamplingParams(max_tokens=15, seed=2, repetition_penalty=1.3, **sampled),
+        SamplingParams(max_tokens=12, n=2, seed=3, **sampled),
+        SamplingParams(max_tokens=16, logprobs=2, **GREEDY),
+        SamplingParams(max_tokens=20, stop=["a"], seed=4, temperature=1.0),
+    ]
+    plain = make_llm(tiny_llama, num_blocks=48, async_scheduling=False).generate(prompts, params)
+    reference = {
+        (f"p{i}", o.index): o.token_ids for i, out in enumerate(plain) for o in out.outputs
+    }
+    llm = make_llm(tiny_llama, num_blocks=48, async_scheduling=True)
+    engine = llm.engine
+    engine.proposer = StubProposer(reference, wrong_every, seed=wrong_every)
+    verified = []  # per step: proposed tokens verified
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: (
+        verified.append(int((plan.num_samples - 1).clip(0).sum())) or execute(plan)
+    )
+    outputs: dict[str, list] = {}
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"p{i}", prompt, sp)
+    while engine.has_unfinished_requests:
+        for event in engine.step():
+            outputs.setdefault((event.request_id, event.index), []).append(event)
+        engine.block_manager.check_invariants()
+    assert sum(verified) > 20
+    assert engine.scheduler.num_preemptions > 0  # rollbacks under block pressure too
+    for i, out in enumerate(plain):
+        for o in out.outputs:
+            events = outputs[f"p{i}", o.index]
+            assert [t for e in events for t in e.token_ids] == o.token_ids, (i, o.index)
+            assert "".join(e.text for e in events) == o.text
+            assert events[-1].finish_reason is o.finish_reason
+    assert_pool_empty(llm)
+
+
+# ---- the logits mask ----------------------------------------------------------------------
+
+
+class AllowOnly:
+    """A trivial mask: the same few tokens at every position; records what it accepted."""
+
+    def __init__(self, allowed: list[int]):
+        self.allowed = allowed
+        self.accepted: list[int] = []
+
+    def fill_next(self, bitmask: np.ndarray) -> None:
+        bitmask[:] = 0
+        for token in self.allowed:
+            bitmask[token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_mask_restricts_its_rows_and_no_other(tiny_llama, async_scheduling):
+    llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompts = random_prompts(3, 400, seed=13, lo=5, hi=20)
+    free = SamplingParams(max_tokens=10, seed=5, temperature=1.0, ignore_eos=True)
+    want = llm.generate([prompts[2]], free)[0].outputs[0].token_ids
+
+    masks: list[AllowOnly] = []
+
+    def mask_of(allowed: list[int]):
+        def make() -> AllowOnly:
+            masks.append(AllowOnly(allowed))
+            return masks[-1]
+
+        return make
+
+    engine.add_request("few", prompts[0], free, token_mask=mask_of([7, 300, 31, 32]))
+    engine.add_request(
+        "one", prompts[1], SamplingParams(max_tokens=10, **GREEDY), token_mask=mask_of([399])
+    )
+    engine.add_request("free", prompts[2], free)
+    tokens: dict[str, list[int]] = {"few": [], "one": [], "free": []}
+    while engine.has_unfinished_requests:
+        for event in engine.step():
+            tokens[event.request_id] += event.token_ids
+    assert set(tokens["few"]) <= {7, 300, 31, 32} and len(tokens["few"]) == 10
+    assert len(set(tokens["few"])) > 1  # sampled among them, not stuck on one
+    assert tokens["one"] == [399] * 10
+    assert tokens["free"] == want  # its neighbours' masks leave it as it was
+    assert [m.accepted for m in masks] == [tokens["few"], tokens["one"]]
+    assert_pool_empty(llm)
+
+
+def test_unpack_bitmask_reads_bit_v_of_word_v_over_32():
+    from engine.sampler import unpack_bitmask
+
+    words = np.zeros((2, 2), dtype=np.int32)
+    words[0, 0] = 1 << 3
+    words[1, 1] = np.uint32(1 << 31).view(np.int32)  # the sign bit: token 63
+    mask = unpack_bitmask(torch.from_numpy(words), 64)
+    assert mask[0].nonzero().flatten().tolist() == [3]
+    assert mask[1].nonzero().flatten().tolist() == [63]
