@@ -39,17 +39,27 @@ TINY_QWEN3 = Shape("Qwen3ForCausalLM", "qwen3", 64, 1, 2, 1, 32, 128, 16384, Tru
 # The parts of a step that are not the engine's host work: model compute on the CPU
 # (launches on a GPU), and the attention backend's per-step metadata, which each device's
 # backend builds its own way (flashinfer's plan on a GPU, padded block tables here).
-DEVICE_WORK = ("model forward", "LM head", "sampler", "attention metadata", "attention plan")
+DEVICE_WORK = (
+    "model forward",
+    "LM head",
+    "sampler",
+    "attention metadata",
+    "attention plan",
+    "batch tables",
+)
 
 
 def instrument(engine) -> dict[str, float]:
-    """Time the engine's phases; returns the totals the timed calls add to (seconds)."""
+    """Time the engine's phases; returns the totals the timed calls add to (seconds).
+    Phases an engine does not have are skipped, so engines of different layouts compare."""
     totals: dict[str, float] = defaultdict(float)
     runner = engine.runner
+    batch = getattr(runner, "batch", None)
     wrapped = [
         (engine, "step", "step"),
         (engine.scheduler, "schedule", "schedule"),
-        (engine, "_sample_rows", "sample rows"),
+        (engine, "_plan", "step plan"),  # the persistent-batch engine's host arrays
+        (engine, "_sample_rows", "sample rows"),  # the earlier layout's
         (runner, "_flatten", "step inputs"),
         (runner, "_sampling_tensors", "sampling tensors"),
         (engine, "_collect", "collect and post-process"),
@@ -58,9 +68,13 @@ def instrument(engine) -> dict[str, float]:
         (runner, "sampler", "sampler"),
         (runner, "_eager_metadata", "attention metadata"),
         (runner.attn, "plan", "attention plan"),
+        (batch, "apply", "batch tables"),  # device work: the tables' writes and reads
+        (batch, "inputs", "batch tables"),
+        (batch, "write_tokens", "batch tables"),
     ]
     for owner, attr, name in wrapped:
-        setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
+        if owner is not None and hasattr(owner, attr):
+            setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
     return totals
 
 

@@ -95,9 +95,7 @@ class DeviceBatch:
     def __init__(self, num_slots: int, token_width: int, block_width: int, device: torch.device):
         self.padding_slot = num_slots
         self.token_ids = torch.zeros(num_slots + 1, token_width, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(
-            num_slots + 1, block_width, dtype=torch.int32, device=device
-        )
+        self.block_table = torch.zeros(num_slots + 1, block_width, dtype=torch.int32, device=device)
 
     def apply(self, token_index, token_ids, block_index, block_ids) -> None:  # noqa: ANN001
         """Write a step's BatchChanges (their arrays, on the device)."""

@@ -121,7 +121,9 @@ class LLMEngine:
 
         cache, sched, block_size = config.cache, config.scheduler, config.block_size
         use_graphs = attn.supports_cuda_graphs and not config.enforce_eager
-        model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         self.runner = ModelRunner(
             model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len
         )

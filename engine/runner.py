@@ -72,6 +72,7 @@ _TORCH_DTYPES = {
     np.dtype(np.int32): torch.int32,
     np.dtype(np.int64): torch.int64,
     np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
 }
 
 
@@ -205,7 +206,7 @@ class ModelRunner:
             query_lens=np.array(lens, dtype=np.int32),
             seq_lens=np.array(lens, dtype=np.int32),
             num_samples=np.ones(batch, dtype=np.int32),
-            num_prompt_tokens=np.zeros(batch, dtype=np.int32),
+            num_prompt_tokens=np.array(lens, dtype=np.int32),  # all prompt: logits for each
             sampling=SamplingRows.build(
                 [params] * batch, [0] * batch, [0] * batch, [[0]] * batch, self.config.vocab_size
             ),
@@ -242,9 +243,7 @@ class ModelRunner:
         # The rows whose logits are read: each sequence's last num_samples, then the
         # prompt-predicting rows of the chunks that want prompt logprobs.
         sampled = _ranges(query_starts[1:] - plan.num_samples, plan.num_samples)
-        spans = {
-            i: self._prompt_span(plan, i, int(query_starts[i])) for i in plan.prompt_logprobs
-        }
+        spans = {i: self._prompt_span(plan, i, int(query_starts[i])) for i in plan.prompt_logprobs}
         logit_rows = np.concatenate([sampled, *(np.arange(a, a + n) for a, n in spans.values())])
         sample_targets = row_slots[sampled] * self.token_width + positions[sampled] + 1
         graph = self._replayable(plan)
@@ -325,7 +324,9 @@ class ModelRunner:
         offset = num_samples
         for i, (_, count) in spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).
-            start = int(plan.slots[i]) * self.token_width + int(plan.seq_lens[i] - plan.query_lens[i])
+            start = int(plan.slots[i]) * self.token_width + int(
+                plan.seq_lens[i] - plan.query_lens[i]
+            )
             targets = self.batch.token_ids.view(-1)[start + 1 : start + 1 + count].long()
             lps = prompt_logprobs(logits[offset : offset + count], targets, plan.prompt_logprobs[i])
             launched.prompt_logprobs[i] = _to_token_logprobs(*lps, targets.tolist())

@@ -182,17 +182,27 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
 
     # Every CUDA-graph batch size a pure-decode step can reach (decode rows never exceed
     # the token budget): b one-token prompts, then one decode step of b rows. Half the
-    # rows greedy, half the seeded race: the one-pass sampler either way.
+    # rows greedy, half the seeded race; once as they are (the one-pass sampler on the
+    # model's logits), once with a penalised row and once with a filtered one (the race on
+    # float32 logits, tempered in it or before it). The race kernel specializes on its
+    # split, which follows the row count, so each form is built at every count.
     graphs = engine.runner.graphs
     if graphs is not None:
+        forms = (None, SamplingParams(seed=1, max_tokens=2, repetition_penalty=1.1))
+        forms += (SamplingParams(seed=2, max_tokens=2, top_k=5),)
         for size in graphs.batch_sizes:
             if size > plan.budget:
                 break
-            prompts = [
-                _Prompt(plan.tokens(1), greedy() if i % 2 else SamplingParams(seed=i, max_tokens=2))
-                for i in range(size)
-            ]
-            runner.run(prompts)
+            for first in forms:
+                prompts = [
+                    _Prompt(
+                        plan.tokens(1), greedy() if i % 2 else SamplingParams(seed=i, max_tokens=2)
+                    )
+                    for i in range(size)
+                ]
+                if first is not None:
+                    prompts[0] = _Prompt(plan.tokens(1), first)
+                runner.run(prompts)
             report.graph_batch_sizes.append(size)
 
     engine.reset_state()
@@ -247,8 +257,7 @@ class _Runner:
         requests = [self.engine.requests[i] for i in ids]
         # Until every candidate has its prompt computed and decodes.
         while any(
-            any(s.num_computed_tokens < s.num_prompt_tokens for s in r.sequences)
-            for r in requests
+            any(s.num_computed_tokens < s.num_prompt_tokens for s in r.sequences) for r in requests
         ):
             if not self.engine.has_unfinished_requests:
                 break

@@ -53,7 +53,9 @@ def test_the_plan_covers_each_sequence_once_within_capacity(seed):
     work.plan.copy_(torch.from_numpy(work.host_plan(lens, indptr)))
     num_items, chunk = work.split.tolist()
     items = work.item_indptr.tolist()
-    assert work.kv_first_page.tolist() == indptr.tolist() and work.seq_lens.tolist() == lens.tolist()
+    assert (
+        work.kv_first_page.tolist() == indptr.tolist() and work.seq_lens.tolist() == lens.tolist()
+    )
     assert num_items == items[-1] <= work.capacity and chunk % work.config.block_n == 0
     for i, n in enumerate(lens):
         mine = range(items[i], items[i + 1])

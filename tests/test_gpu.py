@@ -293,7 +293,9 @@ def test_tensor_core_decode_matches_cuda_core(model_dir, monkeypatch):
     attn = llm.engine.runner.attn
     plan = attn.plan
     monkeypatch.setattr(
-        attn, "plan", lambda meta: decode_batches.append(int((meta.query_lens == 1).sum())) or plan(meta)
+        attn,
+        "plan",
+        lambda meta: decode_batches.append(int((meta.query_lens == 1).sum())) or plan(meta),
     )
     got = llm.generate(prompts, params)
     assert max(decode_batches) >= 72 and 0 < min(b for b in decode_batches if b) < 64
@@ -438,7 +440,9 @@ def test_mixed_prefill_and_decode_steps_with_staggered_arrivals(model_dir, monke
     planned: list[list[int]] = []  # query lengths of every step
     plan = engine.runner.attn.plan
     monkeypatch.setattr(
-        engine.runner.attn, "plan", lambda meta: planned.append(meta.query_lens.tolist()) or plan(meta)
+        engine.runner.attn,
+        "plan",
+        lambda meta: planned.append(meta.query_lens.tolist()) or plan(meta),
     )
     events: dict[str, list] = {f"r{i}": [] for i in range(3)}
     for i, (prompt, sp) in enumerate(zip(prompts, params)):

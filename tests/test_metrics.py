@@ -85,19 +85,22 @@ async def test_engine_stats_count_work_and_prefix_hits(tiny_model):
         after = engine.stats
         produced = sum(len(e.token_ids) for e in events)
         assert after.num_generated_tokens - base.num_generated_tokens == produced == 12
-        # The n=2 candidates share one prefill.
-        assert after.num_prompt_tokens_computed - base.num_prompt_tokens_computed == 9
+        # The n=2 candidates share the prefill: the second starts from the first's two
+        # full blocks in the prefix cache (its query: 9 tokens, 8 hit) and computes only
+        # the last token.
+        assert after.num_prompt_tokens_computed - base.num_prompt_tokens_computed == 9 + 1
         assert after.num_kv_blocks_used == 0 and after.num_running_requests == 0
         assert after.num_steps - base.num_steps >= 6 and after.num_preemptions == 0
-        assert after.prefix_cache_queried_tokens - base.prefix_cache_queried_tokens == 9
-        assert after.prefix_cache_hit_tokens == base.prefix_cache_hit_tokens == 0
+        assert after.prefix_cache_queried_tokens - base.prefix_cache_queried_tokens == 9 + 9
+        assert after.prefix_cache_hit_tokens - base.prefix_cache_hit_tokens == 8
+        assert base.prefix_cache_hit_tokens == 0
 
         await run(engine, "b", prompt, SamplingParams(max_tokens=2, **GREEDY))
         again = engine.stats
         # The two full prompt blocks are reused; the last prompt token is always computed.
-        assert again.prefix_cache_hit_tokens == 8
+        assert again.prefix_cache_hit_tokens - after.prefix_cache_hit_tokens == 8
         assert again.num_prompt_tokens_computed - after.num_prompt_tokens_computed == 1
-        assert again.prefix_cache_hit_rate == pytest.approx(8 / (3 + 9 + 9))
+        assert again.prefix_cache_hit_rate == pytest.approx((8 + 8) / (3 + 9 + 9 + 9))
         assert again.num_generated_tokens - after.num_generated_tokens == 2
     finally:
         engine.shutdown(timeout=5)
@@ -163,7 +166,8 @@ async def test_metrics_scraped_over_http(tiny_model):
     assert 0 <= queue <= ttft < e2e
     assert tpot * 5 == pytest.approx(e2e - ttft)  # 6 tokens a candidate: 5 after the first
     assert s["pagedserve_generation_tokens_total"] == 12
-    assert s["pagedserve_prompt_tokens_total"] == 3
+    # 3 prompt tokens, less than a block: the second candidate computes them again
+    assert s["pagedserve_prompt_tokens_total"] == 3 + 3
     assert s["pagedserve_kv_cache_blocks_total"] == 64
     assert s["pagedserve_kv_cache_blocks_used"] == 0 and s["pagedserve_kv_cache_usage_ratio"] == 0
     assert s["pagedserve_num_requests_running"] == s["pagedserve_num_requests_waiting"] == 0

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from engine.sampler import (
     Sampler,
     SamplerOutput,
-    SamplingTensors,
     _penalise_and_ban,
     exponential_noise,
     prompt_logprobs,

@@ -13,11 +13,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from engine.batch import SlotBook
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
 from engine.request import Request, Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
-from engine.batch import SlotBook
 from engine.scheduler import Scheduler, SchedulerOutput
 
 _arrivals = itertools.count()

@@ -164,9 +164,7 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
                 key_valid=key_valid[:, None, None, :],
             )
         )
-    prefills = [
-        (i, starts[i], starts[i + 1]) for i, q_len in enumerate(query_lens) if q_len > 1
-    ]
+    prefills = [(i, starts[i], starts[i + 1]) for i, q_len in enumerate(query_lens) if q_len > 1]
     return StepPlan(decode_groups=groups, prefills=prefills)
 
 

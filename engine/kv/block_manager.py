@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Chain hash of a full block. Deterministic within the process, which is all we need."""
     return hash((parent_hash, token_ids))
