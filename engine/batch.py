@@ -99,8 +99,10 @@ class DeviceBatch:
 
     def apply(self, token_index, token_ids, block_index, block_ids) -> None:  # noqa: ANN001
         """Write a step's BatchChanges (their arrays, on the device)."""
-        self.token_ids.view(-1).index_copy_(0, token_index, token_ids)
-        self.block_table.view(-1).index_copy_(0, block_index, block_ids)
+        if token_index.numel():  # most steps change nothing: no launch then
+            self.token_ids.view(-1).index_copy_(0, token_index, token_ids)
+        if block_index.numel():
+            self.block_table.view(-1).index_copy_(0, block_index, block_ids)
 
     def inputs(
         self, row_slots: torch.Tensor, positions: torch.Tensor, block_size: int

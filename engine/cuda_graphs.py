@@ -4,11 +4,12 @@ A decode step launches hundreds of small kernels, and on a slow host their launc
 not the GPU, sets the pace. So once the KV pool exists, the whole model forward is
 captured for each bucket size (largest first, every graph in one shared memory pool) over
 static buffers (GraphBuffers). A step of n decodes is padded to the smallest bucket
-b >= n (batch_size_for; the runner pads), its input ids, positions and KV slots are
-copied into the first b columns of the static buffer, attention is planned for b
-sequences (host code: it runs before the replay, outside the graph, and copies the step's
-lengths and KV split into the buffers the captured decode kernels read) and the graph
-replays. The decode kernels read block ids from the persistent block table itself.
+b >= n (batch_size_for; the runner pads), its slots and positions are copied into the
+first b columns of the static buffer, attention is planned for b sequences (host code:
+it runs before the replay, outside the graph, and copies the step's lengths and KV split
+into the buffers the captured decode kernels read) and the graph replays. Inside the
+graph, the input ids and KV slots are read from the persistent batch's tables, and the
+decode kernels read block ids from its block table.
 
 Rows n..b are padding: the padding slot of the persistent batch (token 0, KV written
 nowhere, attending to one token of block 0); their outputs are dropped. Steps with a
@@ -18,6 +19,7 @@ prefill, or more decodes than the largest bucket, run eagerly (runner.py).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.batch import DeviceBatch
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class GraphBuffers:
     """What every captured graph reads and writes (columns [0, its batch size)); a replay
     refills the inputs first."""
 
-    token_inputs: torch.Tensor  # int64 [3, max_batch]: token ids, positions, KV slots
+    token_inputs: torch.Tensor  # int64 [2, max_batch]: each row's slot and position
     hidden: torch.Tensor  # [max_batch, hidden_size]: the model's output
 
 
@@ -63,7 +66,7 @@ class CudaGraphRunner:
         model: torch.nn.Module,
         attn: AttentionBackend,
         kv_caches: list[torch.Tensor],
-        block_table: torch.Tensor,  # the persistent batch's; its last row is the padding slot
+        batch: DeviceBatch,
         block_size: int,
         batch_sizes: list[int],
         hidden_size: int,
@@ -73,16 +76,17 @@ class CudaGraphRunner:
         self.model = model
         self.attn = attn
         self.kv_caches = kv_caches
-        self.block_table = block_table
+        self.batch = batch
         self.block_size = block_size
         self.batch_sizes = sorted(batch_sizes)
         self.device = kv_caches[0].device
         largest = self.batch_sizes[-1]
         self.buffers = GraphBuffers(
-            token_inputs=torch.zeros(3, largest, dtype=torch.int64, device=self.device),
+            token_inputs=torch.zeros(2, largest, dtype=torch.int64, device=self.device),
             hidden=torch.zeros(largest, hidden_size, dtype=dtype, device=self.device),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._metas: dict[int, AttentionMetadata] = {}  # as captured: its KV slots in the graph
         self._capture_all()
 
     @property
@@ -95,15 +99,18 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        row_slots: torch.Tensor,  # int64 [b] on the device
+        positions: torch.Tensor,  # int64 [b] on the device
+        slots: np.ndarray,  # int32 [b]: the same slots, on the host, for the plan
+        seq_lens: np.ndarray,  # int32 [b]
     ) -> torch.Tensor:
         """Replay the graph of a step padded to a captured batch size b: the hidden states
         [b, hidden], a view of the static output the next replay overwrites."""
-        batch_size = meta.num_seqs
-        inputs = self.buffers.token_inputs[:, :batch_size]
-        inputs[0].copy_(input_ids)
-        inputs[1].copy_(positions)
-        inputs[2].copy_(meta.slot_mapping)
+        batch_size = len(slots)
+        self.buffers.token_inputs[0, :batch_size].copy_(row_slots)
+        self.buffers.token_inputs[1, :batch_size].copy_(positions)
+        meta = dataclasses.replace(self._metas[batch_size], slots=slots, seq_lens=seq_lens)
         self.attn.plan(meta)
         self.graphs[batch_size].replay()
         return self.buffers.hidden[:batch_size]
@@ -114,14 +121,13 @@ class CudaGraphRunner:
         pool = None
         for size in reversed(self.batch_sizes):  # largest first: the others fit in its pool
             self.attn.prepare_graph(size)
-            meta = self._padding_meta(size)
-            self.buffers.token_inputs[:, :size] = 0
-            self.buffers.token_inputs[2, :size] = -1  # write nowhere
-            self.attn.plan(meta)
-            self._forward(size, meta)  # warm-up: JIT compiles and autotunes outside the capture
+            self.buffers.token_inputs[0, :size] = self.batch.padding_slot
+            self.buffers.token_inputs[1, :size] = 0
+            self.attn.plan(self._padding_meta(size))
+            self._forward(size)  # warm-up: JIT compiles and autotunes outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward(size, meta)
+                self._metas[size] = self._forward(size)
             pool = pool or graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -133,22 +139,27 @@ class CudaGraphRunner:
             used / 2**30,
         )
 
-    def _forward(self, size: int, meta: AttentionMetadata) -> None:
-        input_ids, positions = self.buffers.token_inputs[:2, :size]
+    def _forward(self, size: int) -> AttentionMetadata:
+        """The graph's work: inputs from the tables, then the model; returns the metadata
+        the model ran with (its KV slots are this forward's)."""
+        row_slots, positions = self.buffers.token_inputs[:, :size]
+        input_ids, kv_slots = self.batch.inputs(row_slots, positions, self.block_size)
+        meta = dataclasses.replace(self._padding_meta(size), slot_mapping=kv_slots)
         self.buffers.hidden[:size] = self.model(input_ids, positions, self.kv_caches, meta)
+        return meta
 
     def _padding_meta(self, size: int) -> AttentionMetadata:
-        """A step of `size` padding rows, what a graph is captured with. Its kernels read
-        only slot_mapping (a static buffer), the block table and what plan() staged."""
-        padding_slot = self.block_table.shape[0] - 1
+        """A step of `size` padding rows: what a graph is captured with. Its kernels read
+        the KV slots, the block table and what plan() staged; a replay plans its own
+        slots and lengths into the same buffers."""
         return AttentionMetadata(
-            slots=np.full(size, padding_slot, dtype=np.int32),
+            slots=np.full(size, self.batch.padding_slot, dtype=np.int32),
             query_lens=np.ones(size, dtype=np.int32),
             seq_lens=np.ones(size, dtype=np.int32),
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=self.device),
             seq_lens_device=torch.ones(size, dtype=torch.int32, device=self.device),
-            block_table=self.block_table,
-            slot_mapping=self.buffers.token_inputs[2, :size],
+            block_table=self.batch.block_table,
+            slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=self.device),
             block_size=self.block_size,
             graph=True,
         )

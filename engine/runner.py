@@ -225,7 +225,7 @@ class ModelRunner:
             self.model,
             self.attn,
             self.kv_caches,
-            self.batch.block_table,
+            self.batch,
             self.block_size,
             graph_batch_sizes(max_num_seqs),
             hidden_size=self.config.hidden_size,
@@ -289,21 +289,20 @@ class ModelRunner:
             self.device,
         )
         self.batch.apply(token_index, token_ids, block_index, block_ids)
-        input_ids, kv_slots = self.batch.inputs(row_slots_d, positions_d, self.block_size)
-        meta = AttentionMetadata(
-            slots=slots,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start_loc=query_starts_d,
-            seq_lens_device=seq_lens_d,
-            block_table=self.batch.block_table,
-            slot_mapping=kv_slots,
-            block_size=self.block_size,
-            graph=graph,
-        )
-        if graph:
-            hidden = self.graphs.run(input_ids, positions_d, meta)
+        if graph:  # the graph reads its inputs from the tables itself
+            hidden = self.graphs.run(row_slots_d, positions_d, slots, seq_lens)
         else:
+            input_ids, kv_slots = self.batch.inputs(row_slots_d, positions_d, self.block_size)
+            meta = AttentionMetadata(
+                slots=slots,
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                query_start_loc=query_starts_d,
+                seq_lens_device=seq_lens_d,
+                block_table=self.batch.block_table,
+                slot_mapping=kv_slots,
+                block_size=self.block_size,
+            )
             self.attn.plan(meta)
             hidden = self.model(input_ids, positions_d, self.kv_caches, meta)
 
