@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workload import run_info  # noqa: E402
 from engine.kernels.activation import silu_and_mul_torch  # noqa: E402
 from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
+from engine.kernels.race import exponential_race_torch  # noqa: E402
 from engine.kernels.rotary import rotary_qk_torch  # noqa: E402
-from engine.sampler import exponential_race_torch  # noqa: E402
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
 VOCAB = 151936

@@ -66,7 +66,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None = the model's own context length
-    seed: int = 0  # seeds the draws for requests that bring no seed
+    engine_seed: int = 0  # seeds the draws for requests that bring no seed
     enforce_eager: bool = False  # CUDA: never replay CUDA graphs (run every step eagerly)
     # Queue step t+1 before reading step t's tokens back (engine.step). None: on for CUDA,
     # off for the CPU, where the host computes the step itself and nothing would overlap.
@@ -97,7 +97,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
-    def overlaps_steps(self) -> bool:
+    def uses_async_scheduling(self) -> bool:
+        """async_scheduling, the default resolved for the device."""
         if self.async_scheduling is None:
             return self.torch_device.type == "cuda"
         return self.async_scheduling

@@ -31,16 +31,17 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
 from engine.kernel_cache import apply_kernel_cache_dir
 from engine.kv.block_manager import BlockManager
+from engine.kv.pool import kv_bytes_per_block, num_kv_blocks
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
-from engine.request import Request, Sequence, SequenceStatus, TokenMask
-from engine.runner import LaunchedStep, ModelRunner, StepPlan, kv_bytes_per_block
+from engine.request import Request, Sequence, TokenMask
+from engine.runner import LaunchedStep, ModelRunner, StepPlan
 from engine.sampler import SamplingRows
-from engine.sampling_params import SamplingParams, validate_request
+from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.stats import EngineInfo, EngineStats, StartupTimes
-from engine.stop_strings import StopStringMatcher
+from engine.stopping import StopStringMatcher, next_text
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ log = logging.getLogger(__name__)
 # interpreter's last collection at exit must see it again (triton's bindings report what
 # they find uncollected as leaks).
 atexit.register(gc.unfreeze)
-
-_MASK64 = (1 << 64) - 1
 
 
 class Proposer(Protocol):
@@ -70,28 +69,6 @@ class _StepInFlight:
     samplers: list[tuple[Sequence, int, list[int]]]
     launched: LaunchedStep
     collect_before_next: bool  # the next schedule needs this step's tokens on the host
-
-
-def abort_stage(request: Request) -> str:
-    """Where a request is in its life: waiting (never run), prefill, decode, or preempted
-    (waiting to be recomputed). With a candidate running, its stage is the request's."""
-    live = [s for s in request.sequences if not s.is_finished]
-    running = [s for s in live if s.status is SequenceStatus.RUNNING]
-    if running:
-        prefilling = any(s.num_computed_tokens < s.num_prompt_tokens for s in running)
-        return "prefill" if prefilling else "decode"
-    return "preempted" if any(s.num_preemptions for s in live) else "waiting"
-
-
-def candidate_seed(seed: int, index: int) -> int:
-    """Candidate 0 keeps the request's seed; the others get well-mixed distinct seeds."""
-    if index == 0:
-        return seed
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
-    x ^= x >> 31
-    x = (x * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 29
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 class LLMEngine:
@@ -127,20 +104,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len
         )
-        block_bytes = kv_bytes_per_block(mc, block_size, dtype)
-        if cache.num_blocks:
-            num_blocks = cache.num_blocks
-        elif on_gpu:
-            num_blocks = self.runner.fit_kv_blocks(
-                cache.gpu_memory_utilization,
-                sched.max_num_batched_tokens,
-                sched.max_num_seqs,
-                graph_memory_reserve(graph_batch_sizes(sched.max_num_seqs), attn)
-                if use_graphs
-                else 0,
-            )
-        else:
-            num_blocks = max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))
+        graph_bytes = (
+            graph_memory_reserve(graph_batch_sizes(sched.max_num_seqs), attn) if use_graphs else 0
+        )
+        num_blocks = num_kv_blocks(config, self.runner, graph_bytes)
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, cache.enable_prefix_caching)
         slots = SlotBook(sched.max_num_seqs, self.runner.token_width, self.runner.block_width)
@@ -167,7 +134,7 @@ class LLMEngine:
             dtype,
             num_blocks,
             block_size,
-            num_blocks * block_bytes / 2**30,
+            num_blocks * kv_bytes_per_block(mc, block_size, dtype) / 2**30,
             self.pool_tokens,
             self.max_model_len,
             "CUDA graphs" if use_graphs else "eager",
@@ -280,7 +247,7 @@ class LLMEngine:
         Counted in stats().aborts under door (who asked) and the stage the request was at."""
         request = self.requests.get(request_id)
         if request is not None:
-            self.count_abort(door, abort_stage(request))
+            self.count_abort(door, request.stage)
         return self._finish_request(request_id, FinishReason.CANCELLED, None)
 
     def count_abort(self, door: str, stage: str) -> None:
@@ -307,7 +274,7 @@ class LLMEngine:
         prefix-cache hits are not, a prompt recomputed after preemption is again, and
         recomputed output tokens count in neither."""
         self._arrivals = itertools.count()
-        self._seed_rng = random.Random(self.config.seed)
+        self._seed_rng = random.Random(self.config.engine_seed)
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -363,7 +330,7 @@ class LLMEngine:
         if previous is not None:
             events += self._collect(previous)
         if launched is not None:
-            if self.config.overlaps_steps:
+            if self.config.uses_async_scheduling:
                 self._in_flight = launched
             else:
                 events += self._collect(launched)
@@ -534,36 +501,13 @@ class LLMEngine:
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
     ) -> CandidateEvent:
         request = seq.request
-        params = request.params
         seq.token_ids.append(token_id)
         if seq.token_mask is not None:
             seq.token_mask.accept(token_id)
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 
-        text, matched = seq.stop_matcher.feed(seq.detokenizer.add(token_id))
-        n_out = seq.num_output_tokens
-        reason: FinishReason | None = None
-        if matched is not None:
-            reason, seq.matched_stop = FinishReason.STOP, matched
-        elif token_id in params.stop_token_ids and n_out >= params.min_tokens:
-            reason, seq.matched_stop = FinishReason.STOP, token_id
-        elif (
-            token_id in self.eos_token_ids and not params.ignore_eos and n_out >= params.min_tokens
-        ):
-            reason = FinishReason.EOS
-        elif n_out >= request.max_tokens:
-            reason = (
-                FinishReason.LENGTH if params.max_tokens is not None else FinishReason.CONTEXT_LIMIT
-            )
-        if reason is not None and matched is None:
-            tail, matched = seq.stop_matcher.feed(seq.detokenizer.flush())
-            text += tail
-            if matched is not None:
-                reason, seq.matched_stop = FinishReason.STOP, matched
-            else:
-                text += seq.stop_matcher.flush()
-
+        text, reason = next_text(seq, token_id, self.eos_token_ids)
         event = CandidateEvent(
             request_id=request.request_id,
             index=seq.index,
@@ -571,7 +515,7 @@ class LLMEngine:
             token_ids=[token_id],
             logprobs=[logprob] if logprob is not None else None,
         )
-        if seq.index == 0 and request.prompt_logprobs is not None and n_out == 1:
+        if seq.index == 0 and request.prompt_logprobs is not None and seq.num_output_tokens == 1:
             event.prompt_logprobs = request.prompt_logprobs
         if reason is not None:
             self._finish_sequence(seq, reason, None, event)

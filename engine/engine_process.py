@@ -60,12 +60,9 @@ class _Failed:
 
 
 class EngineProcess:
-    def __init__(
-        self, config: EngineConfig, start_timeout: float | None = None, warmup: bool = True
-    ):
+    def __init__(self, config: EngineConfig, warmup: bool = True):
         """With `warmup`, the child runs engine/warmup.py before it reports ready."""
         self.config = config
-        self.start_timeout = start_timeout  # None: as long as loading the model takes
         context = mp.get_context("spawn")
         self._requests = context.Queue()
         self._requests.cancel_join_thread()  # at exit, requests the child never read are moot
@@ -82,7 +79,7 @@ class EngineProcess:
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
         """Spawn the child and wait until its engine is built (model load, CUDA graphs)."""
         self._process.start()
-        first = self._next_output(self.start_timeout)
+        first = self._next_output()
         if isinstance(first, _Failed):
             self._process.join(5)
             raise ModelLoadError(f"the engine process failed to start: {first.error}")
@@ -121,7 +118,7 @@ class EngineProcess:
     def _read(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
         while True:
             try:
-                output = self._next_output(None)
+                output = self._next_output()
             except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
                 log.exception("unreadable engine output")
                 output = _Failed(f"unreadable output: {type(exc).__name__}: {exc}")
@@ -136,20 +133,17 @@ class EngineProcess:
                 died(f"engine process died: {error}")
             return
 
-    def _next_output(self, timeout: float | None) -> LoopOutput | _Ready | _Failed | None:
-        """The child's next message; None once it is gone (or after timeout seconds)."""
-        waited = 0.0
-        while timeout is None or waited < timeout:
+    def _next_output(self) -> LoopOutput | _Ready | _Failed | None:
+        """The child's next message; None once it is gone."""
+        while True:
             try:
                 return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
             except queue.Empty:
-                waited += LIVENESS_POLL_SECONDS
                 if not self._process.is_alive():  # anything it sent before is read by now
                     try:
                         return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
                     except queue.Empty:
                         return None
-        return None
 
 
 # ---- in the child ------------------------------------------------------------------------

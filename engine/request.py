@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.stop_strings import StopStringMatcher
+    from engine.stopping import StopStringMatcher
 
 
 class TokenMask(Protocol):
@@ -80,6 +80,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.status is SequenceStatus.FINISHED for s in self.sequences)
+
+    @property
+    def stage(self) -> str:
+        """Where it is in its life: waiting (never run), prefill, decode, or preempted
+        (waiting to be recomputed). With a candidate running, its stage is the request's."""
+        live = [s for s in self.sequences if s.status is not SequenceStatus.FINISHED]
+        running = [s for s in live if s.status is SequenceStatus.RUNNING]
+        if running:
+            prefilling = any(s.num_computed_tokens < s.num_prompt_tokens for s in running)
+            return "prefill" if prefilling else "decode"
+        return "preempted" if any(s.num_preemptions for s in live) else "waiting"
 
     @property
     def prompt_logprobs_pending(self) -> bool:

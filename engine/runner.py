@@ -24,11 +24,9 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.batch import BatchChanges, DeviceBatch
 from engine.cuda_graphs import CudaGraphRunner, graph_batch_sizes
-from engine.errors import ValidationError
 from engine.model.config import ModelConfig
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplingRows, prompt_logprobs
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampler import Sampler, SamplingRows, SamplingTensors, prompt_logprobs
 
 
 @dataclass
@@ -101,12 +99,6 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     ]
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * config.num_kv_heads * config.head_dim * element_size
-    return config.num_layers * per_layer
-
-
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """int64: starts[0] .. starts[0] + counts[0] - 1, then the same for every entry."""
     total = int(counts.sum())
@@ -126,7 +118,7 @@ class ModelRunner:
         num_slots: int,
         max_model_len: int,
     ):
-        """Call allocate_kv_cache() before the first step (on CUDA after fit_kv_blocks())."""
+        """Call allocate_kv_cache() before the first step (engine/kv/pool.py sizes it)."""
         self.model = model
         self.config = model_config
         self.device = device
@@ -142,82 +134,11 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self._kv_pool(num_blocks)
-
-    def _kv_pool(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.config
         shape = (num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [
+        self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
-
-    def fit_kv_blocks(
-        self,
-        gpu_memory_utilization: float,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        graph_reserve: int,
-    ) -> int:
-        """How many KV blocks fit in gpu_memory_utilization of the GPU's memory, beside what
-        the weights, the peak of the largest step (run here once), other users of the GPU
-        (CUDA context, other processes) and the CUDA graphs (graph_reserve bytes) take."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_largest_step(max_num_batched_tokens, max_num_seqs)
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        budget = total * gpu_memory_utilization - outside_torch - peak - graph_reserve
-        num_blocks = int(budget // kv_bytes_per_block(self.config, self.block_size, self.dtype))
-        if num_blocks < 1:
-            gib = 2**30
-            raise ValidationError(
-                "gpu_memory_utilization",
-                f"{gpu_memory_utilization} of {total / gib:.1f} GiB leaves no room for the KV "
-                f"cache: the weights and a {max_num_batched_tokens}-token step peak at "
-                f"{peak / gib:.2f} GiB, {outside_torch / gib:.2f} GiB is in use outside torch "
-                f"and {graph_reserve / gib:.2f} GiB is kept for CUDA graphs",
-            )
-        return num_blocks
-
-    def _profile_largest_step(self, num_tokens: int, num_seqs: int) -> None:
-        """The memory peak of the largest step the scheduler can make: num_tokens of prompt
-        with logits for every row (prompt logprobs), and num_seqs samples using every
-        sampling feature. Every sequence is on the padding slot, which writes no KV and
-        reads block 0 of a one-block pool: only the memory use is of interest."""
-        limit = min(self.config.max_position_embeddings, self.token_width - 1)
-        lens = [min(limit, num_tokens - start) for start in range(0, num_tokens, limit)]
-        lens += [1] * max(0, num_seqs - len(lens))  # decodes, to sample num_seqs rows
-        batch = len(lens)
-        params = SamplingParams(
-            temperature=1.0,
-            top_k=50,
-            top_p=0.9,
-            min_p=0.05,
-            repetition_penalty=1.1,
-            presence_penalty=0.5,
-            frequency_penalty=0.5,
-            logprobs=MAX_LOGPROBS,
-        )
-        plan = StepPlan(
-            slots=np.full(batch, self.batch.padding_slot, dtype=np.int32),
-            query_lens=np.array(lens, dtype=np.int32),
-            seq_lens=np.array(lens, dtype=np.int32),
-            num_samples=np.ones(batch, dtype=np.int32),
-            num_prompt_tokens=np.array(lens, dtype=np.int32),  # all prompt: logits for each
-            sampling=SamplingRows.build(
-                [params] * batch, [0] * batch, [0] * batch, [[0]] * batch, self.config.vocab_size
-            ),
-            prompt_logprobs={i: MAX_LOGPROBS for i, n in enumerate(lens) if n > 1},
-            changes=BatchChanges(*(np.zeros(0, dtype=t) for t in (np.int64, np.int32) * 2)),
-        )
-        pool, self.kv_caches = self.kv_caches, self._kv_pool(1)
-        try:
-            self.collect(self.execute(plan))
-        finally:
-            self.kv_caches = pool
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture the decode graphs (CUDA); call after allocate_kv_cache()."""
@@ -374,7 +295,7 @@ class ModelRunner:
     def _sample(
         self,
         logits: torch.Tensor,
-        tensors,  # noqa: ANN001 - SamplingTensors
+        tensors: SamplingTensors,
         plan: StepPlan,
         targets: torch.Tensor,
     ) -> LaunchedStep:
@@ -386,7 +307,7 @@ class ModelRunner:
         out = self.sampler(logits, tensors)
         self.batch.write_tokens(targets, out.token_ids)
         outputs = [out.token_ids]
-        if tensors.needs_logprobs:
+        if tensors.rows.needs_logprobs:
             top_ids, top_lps = out.top_token_ids, out.top_logprobs
             if top_ids is None:  # no row asked for alternatives: empty [R, 0] tables
                 top_ids = out.token_ids.new_empty((len(counts), 0))

@@ -11,13 +11,7 @@ are built. The logits come in the model's dtype; each stage that needs float32 m
 In the common case (no penalty, ban or filter) a CUDA step is one Triton pass over the
 logits: temperature, noise, race and the greedy rows' argmax together.
 
-Randomness is counter-based, not a torch.Generator: row r's uniform for token v is a
-32-bit integer hash of (seed_r, counter_r, v), where counter_r is how many tokens the row
-has generated. A row's draw therefore depends only on its own seed, step and logits, never
-on its batch-mates or its position in the batch; the integer hash gives bit-identical
-uniforms on every device. The draw itself is an
-exponential race: argmax_v(p_v / E_v) with E_v = -log(u_v) ~ Exp(1) picks v with
-probability exactly p_v.
+The draw is counter-based, not a torch.Generator: engine/kernels/race.py.
 """
 
 from __future__ import annotations
@@ -28,13 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kernels.dispatch import use_triton
+from engine.kernels.race import exponential_race
 from engine.sampling_params import SamplingParams
 
-_MASK32 = 0xFFFFFFFF
-_GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio: the Weyl step between vocab entries
-_SEED_SALT = 0x5BD1E995  # keeps seed 0 away from the hash's fixed point at 0
-_UNIFORM_BITS = 23  # (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1)
 _PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 x vocab
 
 
@@ -138,43 +128,26 @@ class SamplingRows:
             next(optional) if a is not None else None
             for a in (self.banned_ids, self.allowed, self.penalty_rows)
         )
-        column = dict(zip(_ROW_NUMBERS, numbers, strict=True))
         return SamplingTensors(
-            temperature=column["temperature"],
-            is_greedy=column["greedy"] != 0.0,
-            top_k=column["top_k"].long(),
-            top_p=column["top_p"],
-            min_p=column["min_p"],
-            repetition_penalty=column["repetition_penalty"],
-            presence_penalty=column["presence_penalty"],
-            frequency_penalty=column["frequency_penalty"],
-            seeds=seeds,
-            counters=counters,
-            banned_token_ids=banned,
-            allowed=allowed,
-            penalty_rows=penalty_rows,
+            self,
+            numbers,
+            seeds,
+            counters,
+            banned,
+            allowed,
+            penalty_rows,
             seen_token_ids=seen_ids if self.uses_repetition else None,
             output_token_ids=output_ids if self.uses_counts else None,
-            vocab_size=self.vocab_size,
-            needs_logprobs=self.needs_logprobs,
-            max_num_logprobs=self.max_num_logprobs,
-            all_greedy=self.all_greedy,
-            needs_filters=self.needs_filters,
         )
 
 
 @dataclass
 class SamplingTensors:
-    """The batch's sampling parameters as device tensors, one row per token to sample."""
+    """The batch's sampling parameters as device tensors, one row per token to sample,
+    beside the host's decisions for the whole batch (rows)."""
 
-    temperature: torch.Tensor  # float32 [R]; 1.0 on greedy rows so dividing is harmless
-    is_greedy: torch.Tensor  # bool [R]
-    top_k: torch.Tensor  # int64 [R]; vocab_size where top-k is off
-    top_p: torch.Tensor  # float32 [R]
-    min_p: torch.Tensor  # float32 [R]
-    repetition_penalty: torch.Tensor  # float32 [R]
-    presence_penalty: torch.Tensor  # float32 [R]
-    frequency_penalty: torch.Tensor  # float32 [R]
+    rows: SamplingRows
+    numbers: torch.Tensor  # float32 [len(_ROW_NUMBERS), R]: SamplingRows.numbers
     seeds: torch.Tensor  # int64 [R]
     counters: torch.Tensor  # int64 [R]: tokens this row has generated so far
     banned_token_ids: torch.Tensor | None  # int64 [R, N], pad vocab_size
@@ -184,11 +157,11 @@ class SamplingTensors:
     penalty_rows: torch.Tensor | None  # int64 [P]
     seen_token_ids: torch.Tensor | None  # prompt + output, for repetition
     output_token_ids: torch.Tensor | None  # output, for presence / frequency
-    vocab_size: int
-    needs_logprobs: bool
-    max_num_logprobs: int
-    all_greedy: bool
-    needs_filters: bool
+
+    def column(self, name: str) -> torch.Tensor:
+        """One of _ROW_NUMBERS, per row: temperature is 1.0 on greedy rows (dividing is
+        harmless), top_k is vocab_size where top-k is off."""
+        return self.numbers[_ROW_NUMBERS.index(name)]
 
 
 def _row_numbers(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
@@ -225,17 +198,23 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits [B, vocab] in any float dtype (the model's); they are not modified."""
-        assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, logits.shape
+        rows = t.rows
+        assert logits.dim() == 2 and logits.shape[1] == rows.vocab_size, logits.shape
         adjusted = _penalise_and_ban(logits, t)
-        if t.all_greedy:
+        temperature, is_greedy = t.column("temperature"), t.column("greedy") != 0.0
+        if rows.all_greedy:
             token_ids = adjusted.argmax(dim=-1)
-        elif t.needs_filters:
-            scaled = adjusted.float() / t.temperature[:, None]
-            scaled = _apply_top_k_top_p_min_p(scaled, t.top_k, t.top_p, t.min_p)
-            token_ids = exponential_race(scaled, None, t.is_greedy, t.seeds, t.counters)
+        elif rows.needs_filters:
+            scaled = _apply_top_k_top_p_min_p(
+                adjusted.float() / temperature[:, None],
+                t.column("top_k").long(),
+                t.column("top_p"),
+                t.column("min_p"),
+            )
+            token_ids = exponential_race(scaled, None, is_greedy, t.seeds, t.counters)
         else:
-            token_ids = exponential_race(adjusted, t.temperature, t.is_greedy, t.seeds, t.counters)
-        if not t.needs_logprobs:
+            token_ids = exponential_race(adjusted, temperature, is_greedy, t.seeds, t.counters)
+        if not rows.needs_logprobs:
             return SamplerOutput(token_ids, None, None, None)
 
         # Logprobs describe the model's own distribution (log_softmax of the raw logits),
@@ -245,8 +224,8 @@ class Sampler:
         log_normalizer = raw_logits.logsumexp(dim=-1)
         chosen = raw_logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer
         top_ids = top_lps = None
-        if t.max_num_logprobs > 0:
-            top_values, top_ids = raw_logits.topk(t.max_num_logprobs, dim=-1)
+        if rows.max_num_logprobs > 0:
+            top_values, top_ids = raw_logits.topk(rows.max_num_logprobs, dim=-1)
             top_lps = top_values - log_normalizer[:, None]
         return SamplerOutput(token_ids, chosen, top_ids, top_lps)
 
@@ -282,74 +261,6 @@ def _prompt_logprobs(
     return chosen, top_ids, top_lps
 
 
-def exponential_race(
-    logits: torch.Tensor,
-    temperature: torch.Tensor | None,
-    is_greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    counters: torch.Tensor,
-) -> torch.Tensor:
-    """Per row of logits [B, V] (any float dtype): the argmax on greedy rows; on the others
-    argmax_v(softmax(scaled)_v / E_v), scaled = logits / temperature (temperature None: the
-    logits are already scaled) and E from exponential_noise: a draw from softmax(scaled).
-
-    On CUDA one Triton pass over the logits does it all (the noise never exists in memory,
-    and the race runs in log space: argmax(scaled_v - log E_v)); the same tokens either way.
-    """
-    if use_triton(logits):
-        from engine.kernels import triton_kernels
-
-        return triton_kernels.exponential_race(logits, temperature, is_greedy, seeds, counters)
-    return exponential_race_torch(logits, temperature, is_greedy, seeds, counters)
-
-
-def exponential_race_torch(
-    logits: torch.Tensor,
-    temperature: torch.Tensor | None,
-    is_greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    counters: torch.Tensor,
-) -> torch.Tensor:
-    logits = logits.float()
-    scaled = logits if temperature is None else logits / temperature[:, None]
-    noise = exponential_noise(seeds, counters, logits.shape[-1])
-    sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
-
-
-def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Each row's 32-bit key (int64 [B]): its seed and counter, hashed together."""
-    seed_lo = seeds & _MASK32
-    seed_hi = (seeds >> 32) & _MASK32  # arithmetic shift; the mask makes negatives fine
-    key = _fmix32(seed_lo ^ _SEED_SALT)
-    key = _fmix32(key ^ seed_hi)
-    return _fmix32(key ^ (counters & _MASK32))
-
-
-def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) draws [B, V], a pure function of (seed, counter, vocab index) per entry."""
-    # SplitMix-style: walk a Weyl sequence from the row key, then finalise each step.
-    vocab_offsets = _mul32(torch.arange(vocab_size, device=seeds.device), _GOLDEN32)
-    bits = _fmix32((row_keys(seeds, counters)[:, None] + vocab_offsets[None, :]) & _MASK32)
-    uniform = ((bits >> (32 - _UNIFORM_BITS)).float() + 0.5) * 2.0**-_UNIFORM_BITS
-    return -torch.log(uniform)
-
-
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """(x * constant) mod 2^32 for x in [0, 2^32), without overflowing int64."""
-    low_half, high_half = constant & 0xFFFF, constant >> 16
-    return (x * low_half + (((x * high_half) & 0xFFFF) << 16)) & _MASK32
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser: a bijection on [0, 2^32) with full avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
 def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Per-row occurrence counts [B, V] of padded ids (pad = vocab_size, dropped)."""
     counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
@@ -367,13 +278,14 @@ def _penalise_and_ban(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.penalty_rows is None and t.banned_token_ids is None and t.allowed is None:
         return logits
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
+    vocab = t.rows.vocab_size
     if t.penalty_rows is not None:
         rows = t.penalty_rows
         logits = logits.index_copy(0, rows, _apply_penalties(logits[rows], t))
     if t.banned_token_ids is not None:
-        logits = logits.masked_fill(_row_mask(t.banned_token_ids, t.vocab_size), float("-inf"))
+        logits = logits.masked_fill(_row_mask(t.banned_token_ids, vocab), float("-inf"))
     if t.allowed is not None:
-        logits = logits.masked_fill(~unpack_bitmask(t.allowed, t.vocab_size), float("-inf"))
+        logits = logits.masked_fill(~unpack_bitmask(t.allowed, vocab), float("-inf"))
     return logits
 
 
@@ -388,17 +300,17 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     rows = t.penalty_rows
     if t.seen_token_ids is not None:
         # HF / CTRL style: push every seen token towards "less likely" whatever its sign.
-        seen = _row_mask(t.seen_token_ids, t.vocab_size)
-        penalty = t.repetition_penalty[rows][:, None]
+        seen = _row_mask(t.seen_token_ids, t.rows.vocab_size)
+        penalty = t.column("repetition_penalty")[rows][:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if t.output_token_ids is not None:
         # OpenAI style: subtract per generated occurrence (frequency) and once if any (presence).
-        counts = _scatter_count(t.output_token_ids, t.vocab_size)
+        counts = _scatter_count(t.output_token_ids, t.rows.vocab_size)
         logits = (
             logits
-            - t.frequency_penalty[rows][:, None] * counts
-            - t.presence_penalty[rows][:, None] * (counts > 0).float()
+            - t.column("frequency_penalty")[rows][:, None] * counts
+            - t.column("presence_penalty")[rows][:, None] * (counts > 0).float()
         )
     return logits
 

@@ -181,3 +181,17 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
             raise ValidationError(
                 "stop_token_ids", f"entry {i} must be a token id {allowed}, got {token_id}"
             )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def candidate_seed(seed: int, index: int) -> int:
+    """Candidate 0 keeps the request's seed; the others get well-mixed distinct seeds."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 29
+    return x - (1 << 64) if x >= 1 << 63 else x

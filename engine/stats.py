@@ -56,7 +56,7 @@ class EngineStats:
     num_generated_tokens: int  # cumulative: tokens sampled, every candidate counted
     num_steps: int  # cumulative: model steps run
     # cumulative: requests aborted, as (door, stage, count); door says who asked (the front
-    # door a caller left by, or cancel_rpc), stage where the request was (engine.abort_stage,
+    # door a caller left by, or cancel_rpc), stage where the request was (Request.stage,
     # or inbox: cancelled before the loop admitted it)
     aborts: tuple[tuple[str, str, int], ...] = ()
 

@@ -39,11 +39,10 @@ from engine.async_engine import (
     AsyncEngine,
     EngineOverloaded,
     EngineStopped,
-    RequestStream,
-    StreamOverflow,
 )
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
+from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import check_count
 from engine.tokenizer import Tokenizer
 from service import convert

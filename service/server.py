@@ -31,14 +31,13 @@ from engine.async_engine import (
     EngineOverloaded,
     EngineStopped,
     EngineThread,
-    RequestStream,
-    StreamOverflow,
 )
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import EngineProcess
 from engine.errors import EngineError, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason
+from engine.request_stream import RequestStream, StreamOverflow
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert

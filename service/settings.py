@@ -45,7 +45,6 @@ class Setting:
     kind: type  # str | int | float | bool
     default: Any  # None: unset, the help says what that means
     help: str
-    field: str  # the config dataclass field it sets
     flag: str  # without the leading dashes; booleans also get --no-<flag>
     choices: tuple[str, ...] = ()  # matched case-insensitively, stored as written here
 
@@ -112,19 +111,15 @@ def _setting(
     name: str,
     help: str,
     *,
-    field: str | None = None,
     flag: str | None = None,
     choices: tuple[str, ...] = (),
 ) -> Setting:
-    """A setting whose type and default are those of the dataclass field it sets."""
-    field = field or name
-    cls = next(c for c in _SECTION_CLASSES[section] if field in {f.name for f in fields(c)})
-    hint = get_type_hints(cls)[field]
+    """A setting whose type and default are those of the dataclass field of its name."""
+    cls = next(c for c in _SECTION_CLASSES[section] if name in {f.name for f in fields(c)})
+    hint = get_type_hints(cls)[name]
     kind = next(a for a in get_args(hint) if a is not types.NoneType) if get_args(hint) else hint
-    default = cls.__dataclass_fields__[field].default
-    return Setting(
-        name, section, kind, default, help, field, flag or name.replace("_", "-"), choices
-    )
+    default = cls.__dataclass_fields__[name].default
+    return Setting(name, section, kind, default, help, flag or name.replace("_", "-"), choices)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -132,9 +127,7 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("engine", "device", "auto, cpu or cuda[:N]"),
     _setting("engine", "dtype", "auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16"),
     _setting("engine", "max_model_len", "context length cap; unset: the model's own"),
-    _setting(
-        "engine", "engine_seed", "seeds the draws of requests that bring no seed", field="seed"
-    ),
+    _setting("engine", "engine_seed", "seeds the draws of requests that bring no seed"),
     _setting("engine", "enforce_eager", "CUDA: run every step eagerly, no CUDA graphs"),
     _setting(
         "engine",
@@ -243,13 +236,11 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "WARNING",
         "log threshold",
-        "log_level",
         "log-level",
         ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
-_BY_FIELD = {(s.section, s.field): s for s in SETTINGS}
 
 
 def toml_literal(value: Any) -> str:
@@ -317,7 +308,7 @@ class Settings:
 
     def _section_values(self, section: str) -> dict[str, Any]:
         return {
-            s.field: self.values[s.name]
+            s.name: self.values[s.name]
             for s in SETTINGS
             if s.section == section and s.name in self.values
         }
@@ -327,7 +318,7 @@ class Settings:
         try:
             return make()
         except ValidationError as exc:
-            setting = _BY_FIELD.get((section, exc.field))
+            setting = BY_NAME.get(exc.field)
             if setting is None:  # a field with no setting of its own: say what we know
                 raise ConfigError(f"{section} config: {exc}") from None
             message = str(exc).removeprefix(f"{exc.field}: ")

@@ -11,13 +11,12 @@ from engine.async_engine import (
     AsyncEngine,
     EngineOverloaded,
     EngineThread,
-    RequestStream,
-    StreamOverflow,
 )
 from engine.config import engine_config_from_flat
 from engine.engine import LLMEngine
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
+from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_model
 

@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 
 from engine.kv import block_manager as block_manager_module
 from engine.kv.block_manager import BlockManager, BlockTable
+from tests.invariants import check_invariants
 
 
 def computed_table(
@@ -50,7 +51,7 @@ def test_allocate_grows_one_block_per_block_size_tokens():
     assert manager.blocks_needed(table, 3) == 0
     assert (manager.num_used_blocks, manager.num_free_blocks) == (2, 6)
     assert manager.num_used_blocks / manager.num_blocks == pytest.approx(2 / 8)
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_allocate_is_all_or_nothing():
@@ -67,7 +68,7 @@ def test_allocate_is_all_or_nothing():
     assert (manager.num_used_blocks, manager.num_free_blocks) == (4, 0)
     manager.free(first)
     assert manager.allocate(second, 8)
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 # ---- prefix cache -------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def test_prefix_hit_shares_full_blocks_between_sequences():
     assert [ref_count(manager, b) for b in first.block_ids] == [2, 2, 1]
     assert manager.allocate(second, 10)
     assert second.block_ids[2] != first.block_ids[2]
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_match_never_covers_the_last_token():
@@ -142,7 +143,7 @@ def test_duplicate_blocks_stay_unpublished_and_return_to_the_free_list():
     manager.register_full_blocks(second, prompt, 5)
     assert second.num_hashed_blocks == 2
     manager.free(second)
-    manager.check_invariants()
+    check_invariants(manager)
     # second's copies are plain free blocks: allocating them evicts nothing from the cache.
     filler = BlockTable()
     assert manager.allocate(filler, 2 * 5)
@@ -159,7 +160,7 @@ def test_prefix_caching_off_never_shares():
     assert (second.block_ids, num_cached) == ([], 0)
     manager.free(first)
     assert manager.num_free_blocks == 8
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 # ---- eviction and free ----------------------------------------------------------------------
@@ -173,7 +174,7 @@ def test_free_releases_blocks_tail_first():
     manager.free(table)
     assert (table.block_ids, table.num_hashed_blocks, table.last_hash) == ([], 0, None)
     assert (manager.num_used_blocks, manager.num_free_blocks) == (0, 3)
-    manager.check_invariants()
+    check_invariants(manager)
 
     taker = BlockTable()
     assert manager.allocate(taker, 2)
@@ -192,7 +193,7 @@ def test_free_is_idempotent_on_an_empty_table():
     manager.free(table)
     manager.free(BlockTable())
     assert manager.num_free_blocks == 4
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_eviction_takes_free_blocks_first_then_least_recently_freed():
@@ -209,7 +210,7 @@ def test_eviction_takes_free_blocks_first_then_least_recently_freed():
     newer_hit, newer_cached = manager.match_prefix([3, 4, 9])
     assert older_cached == newer_cached == 2
     assert not set(taker.block_ids) & set(older_hit.block_ids + newer_hit.block_ids)
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_eviction_order_is_lru_and_drops_the_hash_entry():
@@ -224,10 +225,10 @@ def test_eviction_order_is_lru_and_drops_the_hash_entry():
     assert manager.match_prefix([1, 2, 9])[1] == 0  # freed first, evicted first
     hit, num_cached = manager.match_prefix([3, 4, 9])
     assert num_cached == 2
-    manager.check_invariants()
+    check_invariants(manager)
     manager.free(hit)
     manager.free(taker)
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_a_hit_revives_an_evictable_block():
@@ -242,7 +243,7 @@ def test_a_hit_revives_an_evictable_block():
     assert (revived.block_ids, num_cached) == ([cached_id], 2)
     assert ref_count(manager, cached_id) == 1
     assert (manager.num_used_blocks, manager.num_free_blocks) == (1, 2)
-    manager.check_invariants()
+    check_invariants(manager)
     # A referenced block is no longer evictable: the rest of the pool is all there is.
     other = BlockTable()
     assert not manager.allocate(other, 3 * 2)
@@ -263,7 +264,7 @@ def test_shrink_gives_back_the_blocks_past_the_kept_tokens():
     assert manager.num_used_blocks == 2 and manager.num_free_blocks == 6
     manager.shrink(table, 8)  # nothing past 8 tokens: unchanged
     assert table.block_ids == kept
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_colliding_hashes_never_share_blocks_of_other_tokens(monkeypatch):
@@ -271,14 +272,14 @@ def test_colliding_hashes_never_share_blocks_of_other_tokens(monkeypatch):
     manager = BlockManager(num_blocks=16, block_size=4)
     first_prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     first = computed_table(manager, first_prompt)
-    manager.check_invariants()
+    check_invariants(manager)
 
     other, num_cached = manager.match_prefix([5, 6, 7, 8, 9])
     assert (other.block_ids, num_cached) == ([], 0)
     # The second block hashes like the first (0) but holds other tokens: the chain stops there.
     same_start, num_cached = manager.match_prefix(first_prompt)
     assert (same_start.block_ids, num_cached) == (first.block_ids[:1], 4)
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 def test_colliding_hashes_never_share_a_block_computed_after_another_prefix(monkeypatch):
@@ -291,7 +292,7 @@ def test_colliding_hashes_never_share_a_block_computed_after_another_prefix(monk
     # would have been computed after other tokens: no hit past the first block.
     table, num_cached = manager.match_prefix([1, 1, 7, 7, 9])
     assert num_cached == 2
-    manager.check_invariants()
+    check_invariants(manager)
 
 
 # ---- stats --------------------------------------------------------------------------------
@@ -373,7 +374,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.manager.free(seq.table)
         assert self.manager.num_used_blocks == 0
         assert self.manager.num_free_blocks == self.manager.num_blocks
-        self.manager.check_invariants()
+        check_invariants(self.manager)
 
     def pick(self, index: int) -> ModelSeq:
         return self.seqs[index % len(self.seqs)]
@@ -456,7 +457,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def bookkeeping_is_consistent(self):
         if not hasattr(self, "manager"):
             return
-        self.manager.check_invariants()
+        check_invariants(self.manager)
         refs = Counter(b for seq in self.seqs for b in seq.table.block_ids)
         for block_id in range(self.manager.num_blocks):
             assert ref_count(self.manager, block_id) == refs[block_id]

@@ -16,6 +16,7 @@ from engine.errors import ValidationError
 from engine.llm import LLM
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
+from tests.invariants import check_invariants
 from tests.tiny_models import write_tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -43,7 +44,7 @@ def random_prompts(count: int, vocab: int, seed: int, lo: int = 3, hi: int = 40)
 
 def assert_pool_empty(llm: LLM) -> None:
     bm = llm.engine.block_manager
-    bm.check_invariants()
+    check_invariants(bm)
     assert bm.num_used_blocks == 0
     assert not llm.engine.requests
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting

@@ -27,10 +27,11 @@ from engine.attention.torch_backend import TorchPagedAttention
 from engine.attention.triton_decode import TritonGraphDecode
 from engine.kernels import rotary_and_store_kv
 from engine.kernels.rotary import rotary_and_store_kv_torch
+from engine.kv.pool import kv_bytes_per_block
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput
-from engine.runner import kv_bytes_per_block, upload
+from engine.runner import upload
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from tests.sampling import sampling_tensors
@@ -376,7 +377,7 @@ def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
     del sync
 
     llm = gpu_llm(model_dir)
-    assert llm.engine.config.overlaps_steps  # the default on CUDA
+    assert llm.engine.config.uses_async_scheduling  # the default on CUDA
     device_only: list[int] = []  # per step: sequences whose input token the host lacks
     execute = llm.engine.runner.execute
 

@@ -23,9 +23,9 @@ from engine.kernels.activation import silu_and_mul_torch
 from engine.kernels.dispatch import triton_importable
 from engine.kernels.kv_cache import store_kv_torch
 from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from engine.kernels.race import exponential_race_torch
 from engine.kernels.rotary import rotary_and_store_kv_torch, rotary_qk_torch
 from engine.model.rope import RotaryEmbedding
-from engine.sampler import exponential_race_torch
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -491,7 +491,7 @@ def test_the_ops_capture_in_a_cuda_graph() -> None:
     """A decode step's worth of the ops, captured once and replayed on new inputs; padding
     rows (slot -1) write nothing. The torch KV store syncs with the host and cannot be
     captured, so this also shows that CUDA tensors take the Triton path."""
-    from engine.sampler import exponential_race
+    from engine.kernels.race import exponential_race
 
     tokens, dtype = 8, torch.bfloat16
     num_heads, num_kv_heads, head_dim = ROTARY_SHAPES[0]

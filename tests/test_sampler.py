@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.kernels.race import exponential_noise
 from engine.sampler import (
     Sampler,
     SamplerOutput,
     _penalise_and_ban,
-    exponential_noise,
     prompt_logprobs,
 )
 from engine.sampling_params import SamplingParams

@@ -19,6 +19,7 @@ from engine.kv.block_manager import BlockManager
 from engine.request import Request, Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from tests.invariants import check_invariants
 
 _arrivals = itertools.count()
 
@@ -91,7 +92,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> int:
         check_step(sched, out)
         assert not out.is_empty, "scheduler stalled with work left (deadlock)"
         fake_step(sched, out)
-        sched.block_manager.check_invariants()
+        check_invariants(sched.block_manager)
         steps += 1
         assert steps < max_steps
     return steps
@@ -111,7 +112,7 @@ def test_an_unchunked_prompt_that_waits_holds_no_cached_blocks():
     out = sched.schedule()
     assert [c.seq for c in out.chunks] == [decoding]
     assert waiting.block_table.block_ids == [] and waiting.num_computed_tokens == 0
-    sched.block_manager.check_invariants()
+    check_invariants(sched.block_manager)
     run_to_completion(sched)
     assert sched.block_manager.num_used_blocks == 0
 
@@ -239,7 +240,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def pool_consistent(self):
         if hasattr(self, "sched"):
-            self.sched.block_manager.check_invariants()
+            check_invariants(self.sched.block_manager)
 
     def teardown(self):
         if not hasattr(self, "sched"):

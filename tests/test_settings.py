@@ -205,12 +205,12 @@ def tls_sample(pki: Pki, name: str) -> tuple[str, dict[str, str]]:
 def configured(settings: Settings, s: Setting) -> object:
     """The value a setting ends up with in the config it feeds."""
     if s.section == "server":
-        return getattr(settings.server_config(), s.field)
+        return getattr(settings.server_config(), s.name)
     if s.section == "engine":
         engine = settings.engine_config()
         for part in (engine, engine.cache, engine.scheduler):
-            if hasattr(part, s.field):
-                return getattr(part, s.field)
+            if hasattr(part, s.name):
+                return getattr(part, s.name)
     return settings.get(s.name)
 
 
@@ -248,7 +248,7 @@ def test_the_table_covers_every_config_field():
         | {("server", f.name) for f in dataclasses.fields(ServerConfig)}
         | {("log", "log_level")}
     )
-    pairs = [(s.section, s.field) for s in SETTINGS]
+    pairs = [(s.section, s.name) for s in SETTINGS]
     assert len(pairs) == len(set(pairs))
     assert set(pairs) == expected
 

@@ -11,6 +11,7 @@ from engine.engine import LLMEngine
 from engine.outputs import RequestOutputBuilder
 from engine.sampling_params import SamplingParams
 from engine.warmup import warm_up
+from tests.invariants import check_invariants
 from tests.tiny_models import write_tiny_model
 
 # Engine settings the warm-up must scale to: the default, a small budget that chunks its
@@ -71,7 +72,7 @@ def assert_fresh(engine: LLMEngine) -> None:
     assert stats.prefix_cache_queried_tokens == stats.prefix_cache_hit_tokens == 0
     assert stats.num_preemptions == 0
     assert stats.num_steps == stats.num_prompt_tokens_computed == stats.num_generated_tokens == 0
-    engine.block_manager.check_invariants()
+    check_invariants(engine.block_manager)
 
 
 @pytest.mark.parametrize("settings", CONFIGS.values(), ids=CONFIGS.keys())

@@ -396,7 +396,7 @@ def _fmix32(x):
 
 @triton.jit
 def _row_key(seed, counter):
-    # engine/sampler.py's row_keys: the int64 seed's two halves, then the counter.
+    # engine/kernels/race.py row_keys: the int64 seed's two halves, then the counter.
     key = _fmix32(seed.to(tl.uint32) ^ 0x5BD1E995)  # int64 -> uint32 keeps the low half
     key = _fmix32(key ^ (seed >> 32).to(tl.uint32))
     return _fmix32(key ^ counter.to(tl.uint32))

@@ -259,26 +259,3 @@ class BlockManager:
     def _is_published(self, block_id: int) -> bool:
         content = self._blocks[block_id].content
         return content is not None and self._cached_block_ids.get(content.block_hash) == block_id
-
-    # ---- integrity --------------------------------------------------------------------------
-
-    def check_invariants(self) -> None:
-        """Assert the bookkeeping is consistent. O(num_blocks): for tests and idle checks."""
-        free = set(self._free_block_ids)
-        evictable = set(self._evictable_block_ids)
-        used = {i for i, block in enumerate(self._blocks) if block.ref_count > 0}
-        assert len(free) == len(self._free_block_ids), "a block is on the free list twice"
-        assert all(block.ref_count >= 0 for block in self._blocks), "negative ref count"
-        assert not free & used and not free & evictable and not evictable & used
-        assert len(free) + len(evictable) + len(used) == self.num_blocks, "a block is lost"
-        assert len(used) == self._num_used_blocks
-        for block_hash, block_id in self._cached_block_ids.items():
-            content = self._blocks[block_id].content
-            assert content is not None and content.block_hash == block_hash
-        published_unused = {
-            i
-            for i, block in enumerate(self._blocks)
-            if block.ref_count == 0 and self._is_published(i)
-        }
-        assert evictable == published_unused, "the LRU must hold exactly the unused cached blocks"
-        assert all(self._blocks[i].content is None for i in free), "a free block kept its content"
