@@ -1,19 +1,15 @@
 """AsyncEngine: LLMEngine's loop, driven from asyncio.
 
-The loop (run_engine_loop) owns every piece of engine state and runs where its core puts
-it: on a thread of this process (EngineThread, here) or in a child process of its own
-(engine/engine_process.py). asyncio callers talk to it through one inbox (submit,
-cancel) and get events back through a per-request RequestStream. The requests not yet
-admitted are counted, and a submit beyond max_queued_requests is refused at once
-(EngineOverloaded), so a burst can never grow memory without bound.
-
-What the loop reports comes back as one LoopOutput per inbox drain and per step, handed
-to AsyncEngine.deliver on the core's thread: admissions settle their submit() futures,
-events go to their streams with loop.call_soon_threadsafe. Load and counters come as an
-immutable EngineStats that deliver publishes by swapping one reference
-(`AsyncEngine.stats`), so readers need no lock. Each delivery also counts as progress:
-`stalled_seconds` says how long work has been outstanding without a LoopOutput, which a
-watchdog reads to tell a stuck loop from a busy or an idle one.
+The loop (run_engine_loop) owns all engine state and runs on a thread of this process
+(EngineThread) or in a child process (engine/engine_process.py). Callers put Submit and
+Cancel into its inbox and read events from a RequestStream per request; a submit beyond
+max_queued_requests is refused at once (EngineOverloaded), so a burst cannot grow memory
+without bound. The loop reports one LoopOutput per inbox drain and per step, which
+AsyncEngine.deliver hands out on the core's thread: admissions settle submit() futures,
+events go to their streams through call_soon_threadsafe, and the immutable EngineStats
+is published by swapping one reference, so readers need no lock. `stalled_seconds`
+(how long work has waited without a LoopOutput) lets a watchdog tell a stuck loop from
+a busy or an idle one.
 """
 
 from __future__ import annotations

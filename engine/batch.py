@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.kernels.dispatch import use_triton
+
 
 @dataclass
 class BatchChanges:
@@ -33,6 +35,10 @@ class BatchChanges:
     token_ids: np.ndarray  # int32
     block_index: np.ndarray  # int64: slot * block_width + the block's number in the row
     block_ids: np.ndarray  # int32
+
+    def arrays(self) -> list[np.ndarray]:
+        """In the order DeviceBatch.apply takes them."""
+        return [self.token_index, self.token_ids, self.block_index, self.block_ids]
 
 
 class SlotBook:
@@ -97,7 +103,13 @@ class DeviceBatch:
         self.token_ids = torch.zeros(num_slots + 1, token_width, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(num_slots + 1, block_width, dtype=torch.int32, device=device)
 
-    def apply(self, token_index, token_ids, block_index, block_ids) -> None:  # noqa: ANN001
+    def apply(
+        self,
+        token_index: torch.Tensor,
+        token_ids: torch.Tensor,
+        block_index: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
         """Write a step's BatchChanges (their arrays, on the device)."""
         if token_index.numel():  # most steps change nothing: no launch then
             self.token_ids.view(-1).index_copy_(0, token_index, token_ids)
@@ -108,16 +120,23 @@ class DeviceBatch:
         self, row_slots: torch.Tensor, positions: torch.Tensor, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per flat row (its slot and position, int64): the input token id and the KV slot
-        its K/V go to (-1, nowhere, for padding rows)."""
-        token_width, block_width = self.token_ids.shape[1], self.block_table.shape[1]
-        input_ids = self.token_ids.view(-1)[row_slots * token_width + positions].long()
-        blocks = self.block_table.view(-1)[row_slots * block_width + positions // block_size]
-        kv_slots = blocks.long() * block_size + positions % block_size
-        return input_ids, kv_slots.masked_fill(row_slots == self.padding_slot, -1)
+        its K/V go to (-1, nowhere, for padding rows). On CUDA one kernel, not a dozen:
+        at batch 1 each launch is a measurable part of a step."""
+        tables = (self.token_ids, self.block_table, block_size, self.padding_slot)
+        if use_triton(row_slots):
+            from engine.kernels import triton_kernels
+
+            return triton_kernels.step_inputs(row_slots, positions, *tables)
+        return step_inputs_torch(row_slots, positions, *tables)
 
     def write_tokens(self, token_index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Sampled tokens into their rows (token_index: slot * token_width + position)."""
-        self.token_ids.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
+        if use_triton(token_ids):
+            from engine.kernels import triton_kernels
+
+            triton_kernels.write_tokens(self.token_ids, token_index, token_ids)
+        else:
+            self.token_ids.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
 
     def history(
         self,
@@ -133,3 +152,18 @@ class DeviceBatch:
         positions = torch.arange(width, device=ids.device)
         inside = (positions >= starts[:, None]) & (positions < ends[:, None])
         return ids.masked_fill(~inside, pad)
+
+
+def step_inputs_torch(
+    row_slots: torch.Tensor,
+    positions: torch.Tensor,
+    token_table: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    padding_slot: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    token_width, block_width = token_table.shape[1], block_table.shape[1]
+    input_ids = token_table.view(-1)[row_slots * token_width + positions].long()
+    blocks = block_table.view(-1)[row_slots * block_width + positions // block_size]
+    kv_slots = blocks.long() * block_size + positions % block_size
+    return input_ids, kv_slots.masked_fill(row_slots == padding_slot, -1)

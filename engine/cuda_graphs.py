@@ -100,16 +100,14 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(
         self,
-        row_slots: torch.Tensor,  # int64 [b] on the device
-        positions: torch.Tensor,  # int64 [b] on the device
+        token_inputs: torch.Tensor,  # int64 [2, b] on the device: each row's slot, position
         slots: np.ndarray,  # int32 [b]: the same slots, on the host, for the plan
         seq_lens: np.ndarray,  # int32 [b]
     ) -> torch.Tensor:
         """Replay the graph of a step padded to a captured batch size b: the hidden states
         [b, hidden], a view of the static output the next replay overwrites."""
         batch_size = len(slots)
-        self.buffers.token_inputs[0, :batch_size].copy_(row_slots)
-        self.buffers.token_inputs[1, :batch_size].copy_(positions)
+        self.buffers.token_inputs[:, :batch_size].copy_(token_inputs)
         meta = dataclasses.replace(self._metas[batch_size], slots=slots, seq_lens=seq_lens)
         self.attn.plan(meta)
         self.graphs[batch_size].replay()

@@ -179,39 +179,14 @@ class ModelRunner:
             query_starts = np.arange(batch + pad + 1, dtype=np.int32)
         history = self._penalty_history(plan, row_slots[sampled], positions[sampled] + 1)
 
-        changes = plan.changes
-        (
-            token_index,
-            token_ids,
-            block_index,
-            block_ids,
-            row_slots_d,
-            positions_d,
-            query_starts_d,
-            seq_lens_d,
-            logit_rows_d,
-            sample_targets_d,
-            *rest,
-        ) = upload(
-            [
-                changes.token_index,
-                changes.token_ids,
-                changes.block_index,
-                changes.block_ids,
-                row_slots,
-                positions,
-                query_starts,
-                seq_lens.astype(np.int32),
-                logit_rows,
-                sample_targets,
-                *history,
-                *plan.sampling.arrays(),
-            ],
-            self.device,
-        )
-        self.batch.apply(token_index, token_ids, block_index, block_ids)
+        step_arrays = [np.stack([row_slots, positions]), query_starts, seq_lens.astype(np.int32)]
+        step_arrays += [logit_rows, sample_targets, *history, *plan.sampling.arrays()]
+        uploaded = upload([*plan.changes.arrays(), *step_arrays], self.device)
+        self.batch.apply(*uploaded[:4])
+        token_inputs, query_starts_d, seq_lens_d, logit_rows_d, targets_d, *rest = uploaded[4:]
+        row_slots_d, positions_d = token_inputs
         if graph:  # the graph reads its inputs from the tables itself
-            hidden = self.graphs.run(row_slots_d, positions_d, slots, seq_lens)
+            hidden = self.graphs.run(token_inputs, slots, seq_lens)
         else:
             input_ids, kv_slots = self.batch.inputs(row_slots_d, positions_d, self.block_size)
             meta = AttentionMetadata(
@@ -240,7 +215,7 @@ class ModelRunner:
         if not len(logit_rows):  # every chunk is a middle piece of a prefill: nothing to read
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
         logits = self.model.compute_logits(hidden[logit_rows_d])
-        launched = self._sample(logits[:num_samples], tensors, plan, sample_targets_d)
+        launched = self._sample(logits[:num_samples], tensors, plan, targets_d)
         offset = num_samples
         for i, (_, count) in spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).

@@ -48,6 +48,7 @@ class SamplingRows:
     logprobs; all greedy) are made here, so the device never has to report back."""
 
     numbers: np.ndarray  # float32 [len(_ROW_NUMBERS), R]
+    greedy: np.ndarray  # bool [R]: the greedy column, as the race kernel reads it
     seeds: np.ndarray  # int64 [R]
     counters: np.ndarray  # int64 [R]: output tokens sampled before this one
     # int64 [R, N], padded with vocab_size: ids a row may not pick (EOS and stop ids while
@@ -87,6 +88,7 @@ class SamplingRows:
         is_greedy = column["greedy"] != 0.0
         return cls(
             numbers=table,
+            greedy=is_greedy,
             seeds=np.asarray(seeds, dtype=np.int64),
             counters=np.asarray(counters, dtype=np.int64),
             banned_ids=_padded(banned_ids, vocab_size) if any(banned_ids) else None,
@@ -113,7 +115,8 @@ class SamplingRows:
     def arrays(self) -> list[np.ndarray]:
         """The arrays to upload, in the order on_device() takes them back."""
         optional = (self.banned_ids, self.allowed, self.penalty_rows)
-        return [self.numbers, self.seeds, self.counters, *(a for a in optional if a is not None)]
+        fixed = [self.numbers, self.greedy, self.seeds, self.counters]
+        return [*fixed, *(a for a in optional if a is not None)]
 
     def on_device(
         self,
@@ -122,7 +125,7 @@ class SamplingRows:
         output_ids: torch.Tensor | None = None,
     ) -> SamplingTensors:
         """The tensors, from arrays() uploaded, and the penalty rows' token histories."""
-        numbers, seeds, counters, *rest = uploaded
+        numbers, is_greedy, seeds, counters, *rest = uploaded
         optional = iter(rest)
         banned, allowed, penalty_rows = (
             next(optional) if a is not None else None
@@ -131,6 +134,7 @@ class SamplingRows:
         return SamplingTensors(
             self,
             numbers,
+            is_greedy,
             seeds,
             counters,
             banned,
@@ -148,6 +152,7 @@ class SamplingTensors:
 
     rows: SamplingRows
     numbers: torch.Tensor  # float32 [len(_ROW_NUMBERS), R]: SamplingRows.numbers
+    is_greedy: torch.Tensor  # bool [R]
     seeds: torch.Tensor  # int64 [R]
     counters: torch.Tensor  # int64 [R]: tokens this row has generated so far
     banned_token_ids: torch.Tensor | None  # int64 [R, N], pad vocab_size
@@ -201,7 +206,7 @@ class Sampler:
         rows = t.rows
         assert logits.dim() == 2 and logits.shape[1] == rows.vocab_size, logits.shape
         adjusted = _penalise_and_ban(logits, t)
-        temperature, is_greedy = t.column("temperature"), t.column("greedy") != 0.0
+        temperature, is_greedy = t.column("temperature"), t.is_greedy
         if rows.all_greedy:
             token_ids = adjusted.argmax(dim=-1)
         elif rows.needs_filters:

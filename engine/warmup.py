@@ -99,7 +99,7 @@ def sampler_variants(vocab: int) -> list[SamplingParams]:
         SamplingParams(  # filters share one sort
             temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2, max_tokens=6, ignore_eos=True
         ),
-        SamplingParams(  # penalties read the token history (the host collects first)
+        SamplingParams(  # penalties read the token history from the token table
             temperature=0.9,
             repetition_penalty=1.2,
             presence_penalty=0.5,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from engine.batch import step_inputs_torch
 from engine.kernels import fused_add_rms_norm, rms_norm, rotary_and_store_kv, silu_and_mul
 from engine.kernels.activation import silu_and_mul_torch
 from engine.kernels.dispatch import triton_importable
@@ -553,6 +554,33 @@ def rerun_interpreter_cases(test_file: str) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b\d+ passed", result.stdout), result.stdout  # ran, not all skipped
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_triton_persistent_batch_reads_and_writes_as_the_torch_path(target: str) -> None:
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    slots, token_width, block_width, block_size = 5, 40, 6, 8
+    tokens = torch.randint(0, 1000, (slots + 1, token_width), dtype=torch.int32, device=device)
+    blocks = torch.randint(0, 50, (slots + 1, block_width), dtype=torch.int32, device=device)
+    blocks[slots] = 0  # the padding row
+    for rows in TOKEN_COUNTS[target]:
+        row_slots = torch.randint(0, slots + 1, (rows,), device=device)  # padding rows too
+        positions = torch.randint(0, token_width, (rows,), device=device)
+        want = step_inputs_torch(row_slots, positions, tokens, blocks, block_size, slots)
+        got = triton_kernels.step_inputs(row_slots, positions, tokens, blocks, block_size, slots)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert (got[1][row_slots == slots] == -1).all()
+
+        writes = min(rows, tokens.numel())  # distinct places
+        index = torch.randperm(tokens.numel(), device=device)[:writes]
+        sampled = torch.randint(0, 2**20, (writes,), device=device)  # int64, as the sampler's
+        written = tokens.clone()
+        triton_kernels.write_tokens(written, index, sampled)
+        expected = tokens.clone()
+        expected.view(-1)[index] = sampled.to(torch.int32)
+        assert torch.equal(written, expected)
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")

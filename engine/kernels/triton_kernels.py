@@ -581,3 +581,80 @@ def split_exponential_race(
             split_best, split_index, out, num_splits, BLOCK_SPLITS=_RACE_MAX_SPLITS, num_warps=1
         )
     return out
+
+
+# ---- the persistent batch (engine/batch.py) ------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _step_inputs_kernel(
+    row_slots_ptr,
+    positions_ptr,
+    token_table_ptr,
+    block_table_ptr,
+    input_ids_ptr,
+    kv_slots_ptr,
+    num_rows,
+    token_width,
+    block_width,
+    block_size,
+    padding_slot,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < num_rows
+    slot = tl.load(row_slots_ptr + rows, mask=mask, other=0)
+    position = tl.load(positions_ptr + rows, mask=mask, other=0)
+    token = tl.load(token_table_ptr + slot * token_width + position, mask=mask, other=0)
+    block = tl.load(block_table_ptr + slot * block_width + position // block_size, mask=mask)
+    kv_slot = block.to(tl.int64) * block_size + position % block_size
+    tl.store(input_ids_ptr + rows, token.to(tl.int64), mask=mask)
+    tl.store(kv_slots_ptr + rows, tl.where(slot == padding_slot, -1, kv_slot), mask=mask)
+
+
+def step_inputs(
+    row_slots: torch.Tensor,
+    positions: torch.Tensor,
+    token_table: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    padding_slot: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeviceBatch.inputs in one launch: per row, its input id and its KV slot."""
+    num_rows = row_slots.shape[0]
+    input_ids = torch.empty(num_rows, dtype=torch.int64, device=row_slots.device)
+    kv_slots = torch.empty(num_rows, dtype=torch.int64, device=row_slots.device)
+    block = 256
+    _step_inputs_kernel[(triton.cdiv(num_rows, block),)](
+        row_slots,
+        positions,
+        token_table,
+        block_table,
+        input_ids,
+        kv_slots,
+        num_rows,
+        token_table.stride(0),
+        block_table.stride(0),
+        block_size,
+        padding_slot,
+        BLOCK=block,
+    )
+    return input_ids, kv_slots
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _write_tokens_kernel(index_ptr, token_ids_ptr, table_ptr, num_tokens, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_tokens
+    index = tl.load(index_ptr + offsets, mask=mask, other=0)
+    token = tl.load(token_ids_ptr + offsets, mask=mask)
+    tl.store(table_ptr + index, token.to(tl.int32), mask=mask)
+
+
+def write_tokens(table: torch.Tensor, index: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """table.view(-1)[index] = token_ids (cast to the table's int32) in one launch."""
+    num_tokens = index.shape[0]
+    block = 256
+    _write_tokens_kernel[(triton.cdiv(num_tokens, block),)](
+        index, token_ids, table, num_tokens, BLOCK=block
+    )
