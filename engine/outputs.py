@@ -109,8 +109,8 @@ class RequestOutput:
 
 @dataclass
 class RequestOutputBuilder:
-    """A request's RequestOutput, gathered event by event as the events come: the one
-    place events become answers, for the offline API and every door.
+    """A request's RequestOutput, gathered event by event as the events come: the offline
+    API's result, and what each door formats a whole answer and its usage from.
 
     It keeps a few lists per candidate, not the events: an offline batch of 256 requests of
     ~500 tokens each would otherwise hold ~270k event objects until the end, which every

@@ -1,5 +1,7 @@
-"""Protobuf messages <-> engine types. Pure functions; validation of values is the engine's
-(SamplingParams.validate), shape errors of the message itself are raised here."""
+"""Protobuf messages <-> engine types, and nothing more. Pure functions: prompts are encoded
+and checked by engine/prompts.py, a request's events gathered into its answer by
+engine/outputs.py, values validated by SamplingParams.validate; shape errors of the
+message itself are raised here."""
 
 from __future__ import annotations
 
@@ -197,13 +199,19 @@ def timing(value: RequestTiming | None) -> pb.Timing | None:
     return pb.Timing(queue_seconds=queue, ttft_seconds=ttft, total_seconds=total)
 
 
-def set_matched_stop(
-    message: pb.Candidate | pb.GenerateStreamResponse, stop: str | int | None
+def _set_ending(
+    message: pb.Candidate | pb.GenerateStreamResponse,
+    reason: FinishReason,
+    stop: str | int | None,
+    error: str | None,
 ) -> None:
+    """How a candidate ended: why, the stop string or id that matched, the engine's error."""
+    message.finish_reason = _FINISH_REASONS[reason]
     if isinstance(stop, str):
         message.stop_string = stop
     elif isinstance(stop, int):
         message.stop_token_id = stop
+    message.error = error or ""
 
 
 def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateStreamResponse:
@@ -216,9 +224,7 @@ def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateSt
         prompt_logprobs=token_logprobs(event.prompt_logprobs, tokenizer),
     )
     if event.finished:
-        message.finish_reason = _FINISH_REASONS[event.finish_reason]
-        set_matched_stop(message, event.matched_stop)
-        message.error = event.error or ""
+        _set_ending(message, event.finish_reason, event.matched_stop, event.error)
         if event.usage is not None:
             message.usage.CopyFrom(usage(event.usage))
         if event.timing is not None:
@@ -244,9 +250,7 @@ def _candidate(out: CompletionOutput, tokenizer: Tokenizer) -> pb.Candidate:
         text=out.text,
         token_ids=out.token_ids,
         logprobs=token_logprobs(out.logprobs, tokenizer),
-        error=out.error or "",
     )
     if out.finish_reason is not None:
-        candidate.finish_reason = _FINISH_REASONS[out.finish_reason]
-    set_matched_stop(candidate, out.matched_stop)
+        _set_ending(candidate, out.finish_reason, out.matched_stop, out.error)
     return candidate

@@ -61,7 +61,8 @@ class FrontDoor:
         self.engine, self.model_name = engine, model_name
 
     def ready_engine(self) -> AsyncEngine:
-        """The engine, if it takes new work; ServiceUnavailable while loading or draining."""
+        """The engine, if it takes new work; ServiceUnavailable while loading or draining.
+        Both doors ask here, so they refuse work at the same moments."""
         if self.draining:
             raise ServiceUnavailable("server is draining; retry elsewhere")
         if self.engine is None:

@@ -582,10 +582,11 @@ async def run_on_own_thread(fn, *args):
 
 
 def warm_up(engine: AsyncEngine) -> None:
-    """The front door's own first-call costs: a chat request with sampling, stopping and
-    output options through the same conversion a call takes (the chat template compiled,
-    the tokenizer's first encode). Nothing is submitted: the engine warmed itself up
-    (engine/warmup.py) before it reported ready, and metrics count only real traffic."""
+    """The front door's own first-call costs: a request's sampling, stopping and output
+    options converted as a call's are, and a chat prompt encoded as one is (the chat
+    template compiled, the tokenizer's first encode). Nothing is submitted: the engine
+    warmed itself up (engine/warmup.py) before it reported ready, and metrics count only
+    real traffic."""
     tokenizer = engine.tokenizer
     request = pb.GenerateRequest(
         sampling=pb.SamplingOptions(n=2, temperature=0.8, top_p=0.9, seed=0),
@@ -595,7 +596,7 @@ def warm_up(engine: AsyncEngine) -> None:
     prompts = PromptEncoder.for_engine(tokenizer, engine.info)
     try:
         convert.sampling_params(request)
-        # Encoded as a prompt is, but not refused for its length: a context may be tiny.
+        # Not held to the context (PromptEncoder.check): a server's may be tinier than this.
         if tokenizer.has_chat_template:
             ids = prompts.tokenize(messages=[{"role": "user", "content": "Hello"}])
         else:
