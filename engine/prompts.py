@@ -28,6 +28,11 @@ Message = TypeVar("Message")
 
 @dataclass(frozen=True)
 class PromptEncoder:
+    """Prompts to checked token ids for one engine. The doors encode with for_engine()'s;
+    the engine checks every prompt it admits again with its own (LLMEngine.prompts), which
+    knows what bounds the context (the model, the KV pool) and says so in its refusals.
+    max_tokens is left to that check, so that its refusal says so too."""
+
     tokenizer: Tokenizer
     vocab_size: int
     context: int  # the most tokens one sequence holds, prompt and output together
@@ -49,7 +54,7 @@ class PromptEncoder:
         as_dict: Callable[[Message], dict[str, Any]] = lambda m: m,
     ) -> list[int]:
         """A prompt's token ids, from exactly one of text, chat messages or token ids,
-        checked (check()) but for max_tokens, which admission checks."""
+        checked (check()) but for max_tokens."""
         if sum(x is not None for x in (text, messages, token_ids)) != 1:
             raise ValidationError(
                 "prompt", "give exactly one of prompt, prompt_token_ids, messages"
