@@ -1,7 +1,8 @@
 """The rules every front door (gRPC, REST) applies around a generation, in one place so
 the doors agree: whether a warm engine takes work (loading and draining refuse it), whether
-a request names the model served here, whether a caller holds the API key, which calls are
-in flight for a drain to wait on, and what log_requests writes."""
+a request names the model served here, whether a caller holds the API key, how a prompt
+is encoded (engine/prompts.py, held to the engine's vocabulary and context), which calls
+are in flight for a drain to wait on, and what log_requests writes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
+from engine.prompts import PromptEncoder
 from service.metrics import ServerMetrics
 
 # Prompts and outputs, at INFO, only with log_requests; nothing else logs request content.
@@ -75,6 +77,10 @@ class FrontDoor:
             raise UnknownModel(
                 f"model: {name!r} is not served here (this server serves {self.model_name!r})"
             )
+
+    def prompts(self, engine: AsyncEngine) -> PromptEncoder:
+        """The prompt encoder of both doors, held to what the engine reports of itself."""
+        return PromptEncoder.for_engine(engine.tokenizer, engine.info)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight; False if the timeout came first."""

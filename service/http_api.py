@@ -45,7 +45,6 @@ from engine.async_engine import (
 )
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, TokenLogprob
-from engine.prompts import PromptEncoder
 from engine.sampling_params import SamplingParams, check_count
 from engine.tokenizer import Tokenizer
 from service.front_door import (
@@ -237,7 +236,7 @@ def create_app(
         api.check_model(body.model)
         try:
             # Generate's guards: text that cannot fit the context is refused unencoded.
-            ids = api.prompts(engine).tokenize(
+            ids = service.prompts(engine).tokenize(
                 body.prompt,
                 messages=body.messages,
                 add_special_tokens=body.add_special_tokens,
@@ -313,9 +312,6 @@ class _Api:
         except UnknownModel as exc:
             raise api_error(exc) from None
 
-    def prompts(self, engine: AsyncEngine) -> PromptEncoder:
-        return PromptEncoder.for_engine(engine.tokenizer, engine.info)
-
     def model_card(self, engine: AsyncEngine) -> dict[str, Any]:
         return {
             "id": self.service.model_name,
@@ -335,7 +331,7 @@ class _Api:
             params = body.sampling_params()
             texts = body.prompts()
             check_count("prompt", len(texts), MAX_PROMPTS, "prompts")  # before encoding
-            encoder = self.prompts(engine)
+            encoder = self.service.prompts(engine)
             prompts = [
                 encoder.prompt(token_ids=p) if isinstance(p, list) else encoder.prompt(p)
                 for p in texts
@@ -353,7 +349,7 @@ class _Api:
         try:
             self.service.check_model(body.model or "")
             params = body.sampling_params()
-            prompt = self.prompts(engine).prompt(
+            prompt = self.service.prompts(engine).prompt(
                 messages=body.messages, as_dict=ChatMessage.as_dict
             )
         except Exception as exc:

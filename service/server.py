@@ -319,8 +319,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
             engine = await self._engine(context)
             tokenizer = engine.tokenizer
             try:  # Generate's guard: text that cannot fit the context is refused unencoded
-                prompts = PromptEncoder.for_engine(tokenizer, engine.info)
-                ids = convert.tokenize_token_ids(request, prompts)
+                ids = convert.tokenize_token_ids(request, self.prompts(engine))
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             tokens = [tokenizer.id_to_token(i) or "" for i in ids]
@@ -370,8 +369,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
         try:
             self.check_model(request.model)
             params = convert.sampling_params(request)
-            prompts = PromptEncoder.for_engine(engine.tokenizer, engine.info)
-            token_ids = convert.prompt_token_ids(request, prompts)
+            token_ids = convert.prompt_token_ids(request, self.prompts(engine))
             stream = await engine.submit(engine_id, token_ids, params, request.priority, door)
         except ValidationError as exc:
             if exc.field == "request_id":  # the caller's own request with this id is running
