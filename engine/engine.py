@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import gc
 import itertools
 import logging
@@ -17,7 +18,6 @@ import random
 import time
 from array import array
 from collections.abc import Callable
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +35,7 @@ from engine.kv.pool import kv_bytes_per_block, num_kv_blocks
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
+from engine.prompts import PromptEncoder
 from engine.request import Request, Sequence, TokenMask
 from engine.runner import LaunchedStep, ModelRunner, StepPlan
 from engine.sampler import SamplingRows
@@ -151,23 +152,12 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------
 
-    def tokenize_prompt(
-        self,
-        prompt: str | None = None,
-        prompt_token_ids: SequenceOf[int] | None = None,
-        messages: list[dict] | None = None,
-    ) -> list[int]:
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise ValidationError(
-                "prompt", "give exactly one of prompt, prompt_token_ids, messages"
-            )
-        if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if prompt is not None:
-            return self.tokenizer.encode(prompt)
-        return list(prompt_token_ids)  # add_request checks every id against the vocabulary
+    @functools.cached_property
+    def prompts(self) -> PromptEncoder:
+        """Prompts to token ids, checked against this engine's vocabulary and context."""
+        mc = self.model_config
+        bounds = f" (model {mc.max_position_embeddings}, KV pool {self.pool_tokens})"
+        return PromptEncoder(self.tokenizer, mc.vocab_size, self.max_model_len, bounds)
 
     def add_request(
         self,
@@ -182,39 +172,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         validate_request(params, priority, self.model_config.vocab_size)
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise ValidationError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        # One pass in C over the ids (type(True) is bool, not int); only a prompt that fails
-        # it is walked in Python, to name the first bad id.
-        if set(map(type, prompt_token_ids)) != {int} or not (
-            0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab
-        ):
-            for i, t in enumerate(prompt_token_ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValidationError(
-                        "prompt_token_ids",
-                        f"token {i} is {t!r}, expected an integer in [0, {vocab})",
-                    )
-        limit = self.max_model_len
-        if n_prompt >= limit:
-            raise ValidationError(
-                "prompt",
-                f"{n_prompt} tokens leave no room to generate: the context limit is {limit} tokens "
-                f"(model {self.model_config.max_position_embeddings}, KV pool {self.pool_tokens})",
-            )
-        if params.max_tokens is None:
-            max_tokens = limit - n_prompt
-        elif n_prompt + params.max_tokens > limit:
-            raise ValidationError(
-                "max_tokens",
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"limit of {limit} tokens (model {self.model_config.max_position_embeddings}, "
-                f"KV pool {self.pool_tokens})",
-            )
-        else:
-            max_tokens = params.max_tokens
+        # Here for every request: a caller may hand over ids it built itself.
+        max_tokens = self.prompts.check(prompt_token_ids, params.max_tokens)
 
         request = Request(
             request_id=request_id,

@@ -1,4 +1,4 @@
-"""A Tokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata.
+"""A tokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata.
 
 A GGUF carries no tokenizer.json, so the `tokenizers` pipeline is rebuilt the way
 transformers converts GGUF tokenizers: byte-level BPE for `gpt2` vocabularies (with the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import ModelLoadError
-from engine.tokenizer import Tokenizer
 
 # GGUF metadata value types (gguf spec): fixed-width scalars by struct format, then string/array.
 _GGUF_SCALAR_FORMATS = {
@@ -207,7 +207,21 @@ def _merges_from_scores(
 _GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 
 
-def tokenizer_from_gguf(path: Path) -> Tokenizer:
+@dataclass(frozen=True)
+class GgufTokenizer:
+    """What a GGUF file holds of its tokenizer: the rebuilt pipeline and its special tokens,
+    as engine/tokenizer.py's Tokenizer takes them."""
+
+    backend: BackendTokenizer
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos: bool
+    special_tokens: dict[str, str]
+    chat_template: str | None
+
+
+def read_gguf_tokenizer(path: Path) -> GgufTokenizer:
     metadata = read_gguf_metadata(path)
     tokenizer_model = metadata.get("tokenizer.ggml.model")
     if tokenizer_model not in _GGUF_BUILDERS:
@@ -246,7 +260,7 @@ def tokenizer_from_gguf(path: Path) -> Tokenizer:
     )
     # End-of-turn / end-of-message ids also end generation (llama-3 style <|eot_id|>).
     eos_token_ids = (eos_token_id, token_at("eot_token_id"), token_at("eom_token_id"))
-    return Tokenizer(
+    return GgufTokenizer(
         backend,
         vocab_size=len(raw_tokens),
         bos_token_id=bos_token_id,

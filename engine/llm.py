@@ -51,10 +51,9 @@ class LLM:
         """Generate for each prompt (text or token ids); results come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        encoder = self.engine.prompts
         token_lists = [
-            self.engine.tokenize_prompt(prompt=p)
-            if isinstance(p, str)
-            else self.engine.tokenize_prompt(prompt_token_ids=p)
+            encoder.prompt(p) if isinstance(p, str) else encoder.prompt(token_ids=p)
             for p in prompts
         ]
         return self._run(token_lists, sampling_params, use_tqdm)
@@ -68,7 +67,8 @@ class LLM:
         """Generate a reply to each conversation, rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        token_lists = [self.engine.tokenize_prompt(messages=list(c)) for c in conversations]
+        encoder = self.engine.prompts
+        token_lists = [encoder.prompt(messages=list(c)) for c in conversations]
         return self._run(token_lists, sampling_params, use_tqdm)
 
     def _run(

@@ -96,31 +96,21 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A whole request's result, as the offline LLM API returns it."""
+    """A whole request's result: what the offline LLM API returns, and what a door's
+    whole (not streamed) answer is formatted from."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprob | None] | None = None
     usage: Usage | None = None
-
-    @classmethod
-    def from_events(
-        cls,
-        request_id: str,
-        prompt_token_ids: SequenceOf[int],
-        n: int,
-        events: list[CandidateEvent],
-    ) -> RequestOutput:
-        builder = RequestOutputBuilder.start(request_id, prompt_token_ids, n)
-        for ev in events:
-            builder.add(ev)
-        return builder.build()
+    timing: RequestTiming | None = None
 
 
 @dataclass
 class RequestOutputBuilder:
-    """A request's RequestOutput, gathered event by event as the events come.
+    """A request's RequestOutput, gathered event by event as the events come: the offline
+    API's result, and what each door formats a whole answer and its usage from.
 
     It keeps a few lists per candidate, not the events: an offline batch of 256 requests of
     ~500 tokens each would otherwise hold ~270k event objects until the end, which every
@@ -136,6 +126,7 @@ class RequestOutputBuilder:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    timing: RequestTiming | None = None  # the latest final event's
 
     @classmethod
     def start(
@@ -163,16 +154,30 @@ class RequestOutputBuilder:
             if ev.usage is not None:
                 self.completion_tokens += ev.usage.completion_tokens
                 self.cached_tokens = max(self.cached_tokens, ev.usage.cached_tokens)
+            if ev.timing is not None:
+                self.timing = ev.timing
 
     @property
     def finished(self) -> bool:
         return all(out.finish_reason is not None for out in self.outputs)
 
+    @property
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens)
+
+    def texts_so_far(self) -> list[str]:
+        """Each candidate's text up to now (a request may end early: the caller left)."""
+        return ["".join(pieces) for pieces in self.texts]
+
     def build(self) -> RequestOutput:
-        for out, pieces, ids in zip(self.outputs, self.texts, self.token_ids, strict=True):
-            out.text = "".join(pieces)
+        for out, text, ids in zip(self.outputs, self.texts_so_far(), self.token_ids, strict=True):
+            out.text = text
             out.token_ids = ids.tolist()
-        usage = Usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens)
         return RequestOutput(
-            self.request_id, list(self.prompt_token_ids), self.outputs, self.prompt_logprobs, usage
+            self.request_id,
+            list(self.prompt_token_ids),
+            self.outputs,
+            self.prompt_logprobs,
+            self.usage,
+            self.timing,
         )

@@ -100,12 +100,14 @@ def validate_request(
         check_prompt_length(prompt_tokens, context)
 
 
-def check_prompt_length(count: int, context: int) -> None:
-    """A prompt of `count` tokens leaves room for at least one more in the context."""
+def check_prompt_length(count: int, context: int, bounds: str = "") -> None:
+    """A prompt of `count` tokens leaves room for at least one more in the context; bounds
+    says what limits the context, " (model 2048, KV pool 4096)", when the caller knows."""
     if count >= context:
         raise ValidationError(
             "prompt",
-            f"{count} tokens leave no room to generate: the context limit is {context} tokens",
+            f"{count} tokens leave no room to generate: the context limit is {context} tokens"
+            + bounds,
         )
 
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.chat_template import compile_chat_template
 from engine.errors import ModelLoadError, ValidationError
+from engine.gguf_tokenizer import read_gguf_tokenizer
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -62,9 +63,16 @@ class Tokenizer:
         if path.is_dir():
             return _tokenizer_from_hf_dir(path)
         if path.is_file() and path.suffix == ".gguf":
-            from engine.gguf_tokenizer import tokenizer_from_gguf  # it builds on this class
-
-            return tokenizer_from_gguf(path)
+            gguf = read_gguf_tokenizer(path)
+            return cls(
+                gguf.backend,
+                vocab_size=gguf.vocab_size,
+                bos_token_id=gguf.bos_token_id,
+                eos_token_ids=gguf.eos_token_ids,
+                add_bos=gguf.add_bos,
+                special_tokens=gguf.special_tokens,
+                chat_template=gguf.chat_template,
+            )
         raise ModelLoadError(
             f"cannot load a tokenizer from {path}: expected an HF model directory or a .gguf file"
         )

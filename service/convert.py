@@ -1,5 +1,7 @@
-"""Protobuf messages <-> engine types. Pure functions; validation of values is the engine's
-(SamplingParams.validate), shape errors of the message itself are raised here."""
+"""Protobuf messages <-> engine types, and nothing more. Pure functions: prompts are encoded
+and checked by engine/prompts.py, a request's events gathered into its answer by
+engine/outputs.py, values validated by SamplingParams.validate; shape errors of the
+message itself are raised here."""
 
 from __future__ import annotations
 
@@ -7,23 +9,19 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from engine.errors import ValidationError
-from engine.outputs import CandidateEvent, FinishReason, RequestTiming, TokenLogprob, Usage
-from engine.sampling_params import (
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-    check_count,
-    check_prompt_length,
+from engine.outputs import (
+    CandidateEvent,
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    RequestTiming,
+    TokenLogprob,
+    Usage,
 )
+from engine.prompts import PromptEncoder
+from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, check_count
 from engine.tokenizer import Tokenizer
 from pagedserve.v1 import inference_pb2 as pb
-
-# Messages in one chat prompt. Each renders to a few tokens at least, so more cannot fit
-# any context this serves; bounded before a message is copied out of the request.
-MAX_CHAT_MESSAGES = 4096
-# Prompts in one REST completions request (each is an engine request; past the queue's
-# room they get 429), bounded before any is encoded.
-MAX_PROMPTS = 1024
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -128,48 +126,37 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     return params
 
 
-def prompt_token_ids(
-    request: pb.GenerateRequest | pb.TokenizeRequest,
-    tokenizer: Tokenizer,
-    add_special_tokens: bool = True,
-    max_tokens: int | None = None,
-    field: str = "prompt",
-) -> list[int]:
-    """Token ids of the prompt, whichever of text / chat / token_ids the request carries.
-    With max_tokens (the context length), text that cannot fit is refused unencoded (the
-    error names `field` for text, messages for chat), and so are token ids that fill it."""
-    oneof = "prompt" if isinstance(request, pb.GenerateRequest) else "input"
+def prompt_token_ids(request: pb.GenerateRequest, prompts: PromptEncoder) -> list[int]:
+    """The prompt's token ids, whichever of text / chat / token_ids the request carries,
+    checked (PromptEncoder.prompt)."""
+    kind = _chosen(request, "prompt")
+    if kind == "text":
+        return prompts.prompt(request.text)
+    if kind == "chat":
+        return prompts.prompt(messages=request.chat.messages, as_dict=_message)
+    return prompts.prompt(token_ids=request.token_ids.ids)
+
+
+def tokenize_token_ids(request: pb.TokenizeRequest, prompts: PromptEncoder) -> list[int]:
+    """The token ids of a Tokenize request's text or chat (PromptEncoder.tokenize)."""
+    if _chosen(request, "input") == "text":
+        return prompts.tokenize(
+            request.text, add_special_tokens=request.add_special_tokens, field="text"
+        )
+    return prompts.tokenize(messages=request.chat.messages, as_dict=_message)
+
+
+def _chosen(request: pb.GenerateRequest | pb.TokenizeRequest, oneof: str) -> str:
+    """The field set in the request's oneof; ValidationError naming its choices if none is."""
     kind = request.WhichOneof(oneof)
-    if kind is None:  # name this request's own oneof and its choices
+    if kind is None:
         *others, last = (f.name for f in request.DESCRIPTOR.oneofs_by_name[oneof].fields)
         raise ValidationError(oneof, f"set one of {', '.join(others)} or {last}")
-    if kind == "text":
-        return tokenizer.encode(
-            request.text, add_special_tokens=add_special_tokens, max_tokens=max_tokens, field=field
-        )
-    if kind == "chat":
-        check_count("messages", len(request.chat.messages), MAX_CHAT_MESSAGES, "messages")
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return chat_token_ids(messages, tokenizer, max_tokens)
-    ids = request.token_ids.ids
-    if max_tokens is not None:  # before the ids are copied into a list
-        check_prompt_length(len(ids), max_tokens)
-    return list(ids)
+    return kind
 
 
-def chat_messages(messages: list) -> list[dict]:
-    """REST's chat messages as the template's dicts, counted first (MAX_CHAT_MESSAGES)."""
-    check_count("messages", len(messages), MAX_CHAT_MESSAGES, "messages")
-    return [m.as_dict() for m in messages]
-
-
-def chat_token_ids(
-    messages: list[dict], tokenizer: Tokenizer, max_tokens: int | None = None
-) -> list[int]:
-    """The prompt for chat messages: the model's own template, with the assistant's turn
-    opened. The template writes the special tokens itself, so encoding adds none."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False, max_tokens=max_tokens, field="messages")
+def _message(message: pb.ChatMessage) -> dict[str, str]:
+    return {"role": message.role, "content": message.content}
 
 
 def token_logprobs(
@@ -212,13 +199,19 @@ def timing(value: RequestTiming | None) -> pb.Timing | None:
     return pb.Timing(queue_seconds=queue, ttft_seconds=ttft, total_seconds=total)
 
 
-def set_matched_stop(
-    message: pb.Candidate | pb.GenerateStreamResponse, stop: str | int | None
+def _set_ending(
+    message: pb.Candidate | pb.GenerateStreamResponse,
+    reason: FinishReason,
+    stop: str | int | None,
+    error: str | None,
 ) -> None:
+    """How a candidate ended: why, the stop string or id that matched, the engine's error."""
+    message.finish_reason = _FINISH_REASONS[reason]
     if isinstance(stop, str):
         message.stop_string = stop
     elif isinstance(stop, int):
         message.stop_token_id = stop
+    message.error = error or ""
 
 
 def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateStreamResponse:
@@ -231,9 +224,7 @@ def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateSt
         prompt_logprobs=token_logprobs(event.prompt_logprobs, tokenizer),
     )
     if event.finished:
-        message.finish_reason = _FINISH_REASONS[event.finish_reason]
-        set_matched_stop(message, event.matched_stop)
-        message.error = event.error or ""
+        _set_ending(message, event.finish_reason, event.matched_stop, event.error)
         if event.usage is not None:
             message.usage.CopyFrom(usage(event.usage))
         if event.timing is not None:
@@ -241,31 +232,25 @@ def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateSt
     return message
 
 
-def generate_response(
-    request_id: str, n: int, events: list[CandidateEvent], tokenizer: Tokenizer
-) -> pb.GenerateResponse:
-    candidates = [pb.Candidate(index=i) for i in range(n)]
-    response = pb.GenerateResponse(request_id=request_id)
-    completion = cached = prompt = 0
-    for event in events:
-        candidate = candidates[event.index]
-        candidate.text += event.text
-        candidate.token_ids.extend(event.token_ids)
-        candidate.logprobs.extend(token_logprobs(event.logprobs, tokenizer))
-        if event.prompt_logprobs is not None:
-            response.prompt_logprobs.extend(token_logprobs(event.prompt_logprobs, tokenizer))
-        if event.finished:
-            candidate.finish_reason = _FINISH_REASONS[event.finish_reason]
-            set_matched_stop(candidate, event.matched_stop)
-            candidate.error = event.error or ""
-            if event.usage is not None:
-                prompt = event.usage.prompt_tokens
-                completion += event.usage.completion_tokens
-                cached = max(cached, event.usage.cached_tokens)
-            if event.timing is not None:
-                response.timing.CopyFrom(timing(event.timing))
-    response.candidates.extend(candidates)
-    response.usage.CopyFrom(
-        pb.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+def generate_response(output: RequestOutput, tokenizer: Tokenizer) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=output.request_id,
+        candidates=[_candidate(out, tokenizer) for out in output.outputs],
+        prompt_logprobs=token_logprobs(output.prompt_logprobs, tokenizer),
+        usage=usage(output.usage),
     )
+    if output.timing is not None:
+        response.timing.CopyFrom(timing(output.timing))
     return response
+
+
+def _candidate(out: CompletionOutput, tokenizer: Tokenizer) -> pb.Candidate:
+    candidate = pb.Candidate(
+        index=out.index,
+        text=out.text,
+        token_ids=out.token_ids,
+        logprobs=token_logprobs(out.logprobs, tokenizer),
+    )
+    if out.finish_reason is not None:
+        _set_ending(candidate, out.finish_reason, out.matched_stop, out.error)
+    return candidate

@@ -1,11 +1,12 @@
 """The OpenAI-compatible REST shim: a FastAPI app over the gRPC service's engine.
 
-Same process, same AsyncEngine, same bounded queue: the app reads the engine through
-InferenceService.ready_engine(), so "loading" and "draining" answer 503 here exactly when
+Same process, same AsyncEngine, same bounded queue: the app goes through the gRPC service's
+front door (service/front_door.py), so "loading" and "draining" answer 503 here exactly when
 gRPC answers UNAVAILABLE, and a REST generation counts as in flight for the drain. A request
-is validated (pydantic for shapes, SamplingParams.validate for values), tokenized (the
-model's chat template for messages) and submitted once per prompt; engine events become
-OpenAI's JSON, or its SSE chunks when streaming. A client that goes away mid-stream cancels
+is validated (pydantic for shapes, SamplingParams.validate for values), encoded
+(engine/prompts.py: the model's chat template for messages) and submitted once per prompt;
+each prompt's events are gathered into its answer (engine/outputs.py), formatted here as
+OpenAI's JSON, or as its SSE chunks when streaming. A client that goes away mid-stream cancels
 its requests, which frees their KV blocks.
 
 Errors use OpenAI's envelope, {"error": {"message", "type", "param", "code"}}: 400
@@ -41,23 +42,24 @@ from engine.async_engine import (
     EngineStopped,
 )
 from engine.errors import ValidationError
-from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
+from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, TokenLogprob
 from engine.request_stream import RequestStream, StreamOverflow
-from engine.sampling_params import check_count
+from engine.sampling_params import SamplingParams, check_count
 from engine.tokenizer import Tokenizer
-from service import convert
-from service.openai_schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from service.server import (
-    InferenceService,
-    ServerConfig,
+from service.front_door import (
+    MAX_MESSAGE_BYTES,
+    FrontDoor,
     ServiceUnavailable,
     UnknownModel,
     authorized,
+)
+from service.openai_schema import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
 from service.tls import TlsFiles
 
@@ -134,9 +136,9 @@ def api_error(exc: Exception, param_names: dict[str, str] | None = None) -> ApiE
 
 
 def create_app(
-    service: InferenceService,
+    service: FrontDoor,
     api_key: str | None = None,
-    max_body_bytes: int = ServerConfig.max_message_bytes,
+    max_body_bytes: int = MAX_MESSAGE_BYTES,
 ) -> FastAPI:
     """The REST app over `service`'s engine; with api_key, /v1 and /tokenize need the key.
     Bodies over max_body_bytes get 413 before they are read whole."""
@@ -231,18 +233,14 @@ def create_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         engine = api.engine()
         api.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "prompt: give exactly one of prompt, messages", param="prompt")
         try:
             # Generate's guards: text that cannot fit the context is refused unencoded.
-            limit = engine.info.max_model_len
-            if body.messages is not None:
-                messages = convert.chat_messages(body.messages)
-                ids = convert.chat_token_ids(messages, engine.tokenizer, limit)
-            else:
-                ids = engine.tokenizer.encode(
-                    body.prompt, body.add_special_tokens, max_tokens=limit
-                )
+            ids = service.prompts(engine).tokenize(
+                body.prompt,
+                messages=body.messages,
+                add_special_tokens=body.add_special_tokens,
+                as_dict=ChatMessage.as_dict,
+            )
         except ValidationError as exc:
             raise api_error(exc) from None
         return {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
@@ -261,51 +259,44 @@ def create_app(
 
 
 @dataclass
-class _Choice:
-    """One choice being assembled: a candidate of one prompt's engine request."""
-
-    index: int
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    started: bool = False  # a stream sent its first chunk (role / echo) already
-
-
-@dataclass
 class _Generation:
-    """One API call: its engine requests (one per prompt) and their choices."""
+    """One API call: its engine requests (one per prompt), each gathered into its answer.
+    Choice prompt * n + i is candidate i of that prompt's request."""
 
     id: str
     kind: str  # "completion" | "chat"
     model: str
     n: int
     streams: list[RequestStream]
-    prompts: list[list[int]]
+    outputs: list[RequestOutputBuilder]  # per prompt
     echo_texts: list[str]  # per prompt; "" unless echo
     logprobs: bool  # the request asked for them
     created: int = field(default_factory=lambda: int(time.time()))
-    choices: dict[int, _Choice] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
     finals: list[CandidateEvent] = field(default_factory=list)
+    started: set[int] = field(default_factory=set)  # choices a stream sent a first chunk of
 
-    def choice(self, prompt: int, event: CandidateEvent) -> _Choice:
-        index = prompt * self.n + event.index
-        return self.choices.setdefault(index, _Choice(index))
+    def add(self, prompt: int, event: CandidateEvent) -> None:
+        self.outputs[prompt].add(event)
+        if event.finished:
+            self.finals.append(event)
+
+    def texts(self) -> list[str]:
+        return [text for output in self.outputs for text in output.texts_so_far()]
 
     def usage(self) -> dict[str, Any]:
-        completion = sum(e.usage.completion_tokens for e in self.finals if e.usage)
-        cached = sum(e.usage.cached_tokens for e in self.finals if e.usage and e.index == 0)
-        prompt = sum(len(p) for p in self.prompts)
+        usages = [output.usage for output in self.outputs]
+        prompt = sum(u.prompt_tokens for u in usages)
+        completion = sum(u.completion_tokens for u in usages)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
         }
 
 
 class _Api:
-    def __init__(self, service: InferenceService) -> None:
+    def __init__(self, service: FrontDoor) -> None:
         self.service = service
 
     def engine(self) -> AsyncEngine:
@@ -333,22 +324,22 @@ class _Api:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         engine = self.engine()
+        names = {"prompt_token_ids": "prompt"}
         try:
             self.service.check_model(body.model or "")
             params = body.sampling_params()
-            tokenizer = engine.tokenizer
-            limit = engine.info.max_model_len
             texts = body.prompts()
-            check_count("prompt", len(texts), convert.MAX_PROMPTS, "prompts")  # before encoding
+            check_count("prompt", len(texts), MAX_PROMPTS, "prompts")  # before encoding
+            encoder = self.service.prompts(engine)
             prompts = [
-                p if isinstance(p, list) else tokenizer.encode(p, max_tokens=limit) for p in texts
+                encoder.prompt(token_ids=p) if isinstance(p, list) else encoder.prompt(p)
+                for p in texts
             ]
         except Exception as exc:
-            raise api_error(exc) from None
-        names = {"prompt_token_ids": "prompt"}
+            raise self._refused("completion", exc, names) from None
         gen = await self._submit(engine, "cmpl", "completion", prompts, params, body, names)
-        # After the engine checked the ids: decoding one that is not a token id can raise.
-        gen.echo_texts = [tokenizer.decode(p) if body.echo else "" for p in prompts]
+        # After the ids were checked: decoding one that is not a token id can raise.
+        gen.echo_texts = [engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
         return await self._respond(gen, engine.tokenizer, body, request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -357,12 +348,19 @@ class _Api:
         try:
             self.service.check_model(body.model or "")
             params = body.sampling_params()
-            messages = convert.chat_messages(body.messages)
-            prompt = convert.chat_token_ids(messages, engine.tokenizer, engine.info.max_model_len)
+            prompt = self.service.prompts(engine).prompt(
+                messages=body.messages, as_dict=ChatMessage.as_dict
+            )
         except Exception as exc:
-            raise api_error(exc, names) from None
+            raise self._refused("chat", exc, names) from None
         gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body, names)
         return await self._respond(gen, engine.tokenizer, body, request)
+
+    def _refused(self, kind: str, exc: Exception, param_names: dict[str, str]) -> ApiError:
+        """The answer to a call refused before it ran, counted like the calls that ran."""
+        error = api_error(exc, param_names)
+        self._record(kind, error.status, [])
+        return error
 
     async def _submit(
         self,
@@ -370,7 +368,7 @@ class _Api:
         prefix: str,
         kind: str,
         prompts: list[list[int]],
-        params,
+        params: SamplingParams,
         body: CompletionRequest | ChatCompletionRequest,
         param_names: dict[str, str],
     ) -> _Generation:
@@ -378,23 +376,23 @@ class _Api:
         gen_id = f"{prefix}-{uuid.uuid4().hex}"
         door = "rest_stream" if body.stream else "rest_unary"
         streams: list[RequestStream] = []
+        outputs: list[RequestOutputBuilder] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = gen_id if len(prompts) == 1 else f"{gen_id}-{i}"
                 streams.append(await engine.submit(request_id, prompt, params, body.priority, door))
+                outputs.append(RequestOutputBuilder.start(request_id, prompt, params.n))
         except BaseException as exc:
             for stream in streams:
                 stream.cancel()
             if isinstance(exc, Exception):
-                error = api_error(exc, param_names)
-                self._record(kind, error.status, [])
-                raise error from None
+                raise self._refused(kind, exc, param_names) from None
             raise
         self.service.log_prompts(gen_id, prompts)
         model = self.service.model_name
         echo = [""] * len(prompts)
         wants = params.logprobs is not None
-        return _Generation(gen_id, kind, model, params.n, streams, prompts, echo, wants)
+        return _Generation(gen_id, kind, model, params.n, streams, outputs, echo, wants)
 
     async def _respond(
         self,
@@ -415,7 +413,7 @@ class _Api:
     async def _full_answer(self, gen: _Generation, tokenizer: Tokenizer) -> Response:
         with self.service.in_flight_call(), self._observed(gen) as status:
             async for prompt, event in _merged(gen.streams):
-                self._absorb(gen, prompt, event)
+                gen.add(prompt, event)
                 if event.finish_reason is FinishReason.ERROR:
                     status[0] = 500
                     raise ApiError(500, event.error or "engine error", "internal_error")
@@ -434,8 +432,7 @@ class _Api:
         finally:
             self._record(gen.kind, status[0], gen.finals)
             if self.service.log_requests:
-                texts = [gen.choices[i].text for i in sorted(gen.choices)]
-                self.service.log_outputs(gen.id, texts)
+                self.service.log_outputs(gen.id, gen.texts())
 
     def _record(self, kind: str, status: int, finals: list[CandidateEvent]) -> None:
         rpc = GENERATION_PATHS[1] if kind == "chat" else GENERATION_PATHS[0]
@@ -443,49 +440,27 @@ class _Api:
         if finals:
             self.service.metrics.request_finished(finals)
 
-    def _absorb(self, gen: _Generation, prompt: int, event: CandidateEvent) -> _Choice:
-        choice = gen.choice(prompt, event)
-        choice.text += event.text
-        choice.logprobs += event.logprobs or []
-        if event.prompt_logprobs is not None:
-            gen.prompt_logprobs[prompt] = event.prompt_logprobs
-        if event.finished:
-            choice.finish_reason = _FINISH_REASONS[event.finish_reason]
-            gen.finals.append(event)
-        return choice
-
     def _full_response(self, gen: _Generation, tokenizer: Tokenizer) -> dict[str, Any]:
         choices = []
-        for index in sorted(gen.choices):
-            choice = gen.choices[index]
-            prompt = index // gen.n
-            if gen.kind == "chat":
-                choices.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": choice.text},
-                        "logprobs": _chat_logprobs(choice.logprobs, tokenizer)
-                        if gen.logprobs
-                        else None,
-                        "finish_reason": choice.finish_reason,
-                    }
-                )
-            else:
-                echo = gen.echo_texts[prompt]
+        for prompt, builder in enumerate(gen.outputs):
+            output = builder.build()
+            for out in output.outputs:
+                choice: dict[str, Any] = {"index": prompt * gen.n + out.index}
                 logprobs = None
-                if gen.logprobs:
-                    items: list[TokenLogprob | None] = []
-                    if echo:
-                        items += gen.prompt_logprobs.get(prompt) or []
-                    logprobs = _completion_logprobs(items + choice.logprobs, tokenizer, 0)
-                choices.append(
-                    {
-                        "index": index,
-                        "text": echo + choice.text,
-                        "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason,
-                    }
-                )
+                if gen.kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": out.text}
+                    if gen.logprobs:
+                        logprobs = _chat_logprobs(out.logprobs or [], tokenizer)
+                else:
+                    echo = gen.echo_texts[prompt]
+                    choice["text"] = echo + out.text
+                    if gen.logprobs:
+                        items = list(output.prompt_logprobs or []) if echo else []
+                        items += out.logprobs or []
+                        logprobs = _completion_logprobs(items, tokenizer, 0)
+                choice["logprobs"] = logprobs
+                choice["finish_reason"] = _FINISH_REASONS[out.finish_reason]
+                choices.append(choice)
         kind = "chat.completion" if gen.kind == "chat" else "text_completion"
         return _envelope(gen, kind, choices) | {"usage": gen.usage()}
 
@@ -500,18 +475,18 @@ class _Api:
             offsets: dict[int, int] = {}  # completions: text offset of each choice
             try:
                 async for prompt, event in _merged(gen.streams):
-                    choice = gen.choice(prompt, event)
-                    first = not choice.started
-                    choice.started = True
-                    self._absorb(gen, prompt, event)
+                    index = prompt * gen.n + event.index
+                    first = index not in gen.started
+                    gen.started.add(index)
+                    gen.add(prompt, event)
                     if event.finish_reason is FinishReason.ERROR:
                         status[0] = 500
                         yield _sse_data(ApiError(500, event.error or "engine error").body())
                         return
                     if gen.kind == "chat":
-                        delta = self._chat_delta(gen, choice, event, tokenizer, first)
+                        delta = self._chat_delta(gen, index, event, tokenizer, first)
                     else:
-                        delta = self._text_delta(gen, choice, event, tokenizer, first, offsets)
+                        delta = self._text_delta(gen, index, event, tokenizer, first, offsets)
                     if delta is not None:
                         yield _sse_data(self._chunk(gen, [delta]) | chunk_usage)
             except StreamOverflow as exc:
@@ -529,7 +504,7 @@ class _Api:
     def _chat_delta(
         self,
         gen: _Generation,
-        choice: _Choice,
+        index: int,
         event: CandidateEvent,
         tokenizer: Tokenizer,
         first: bool,
@@ -546,7 +521,7 @@ class _Api:
             logprobs = _chat_logprobs(event.logprobs, tokenizer)
         finish = _FINISH_REASONS[event.finish_reason] if event.finished else None
         return {
-            "index": choice.index,
+            "index": index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish,
@@ -555,13 +530,13 @@ class _Api:
     def _text_delta(
         self,
         gen: _Generation,
-        choice: _Choice,
+        index: int,
         event: CandidateEvent,
         tokenizer: Tokenizer,
         first: bool,
         offsets: dict[int, int],
     ) -> dict[str, Any] | None:
-        prompt = choice.index // gen.n
+        prompt = index // gen.n
         text = (gen.echo_texts[prompt] if first else "") + event.text
         if not text and not event.finished:
             return None
@@ -569,13 +544,13 @@ class _Api:
         if gen.logprobs:
             items: list[TokenLogprob | None] = []
             if first and gen.echo_texts[prompt]:
-                items += gen.prompt_logprobs.get(prompt) or []
+                items += gen.outputs[prompt].prompt_logprobs or []
             items += event.logprobs or []
-            start = offsets.get(choice.index, 0)
+            start = offsets.get(index, 0)
             logprobs = _completion_logprobs(items, tokenizer, start)
-        offsets[choice.index] = offsets.get(choice.index, 0) + len(text)
+        offsets[index] = offsets.get(index, 0) + len(text)
         finish = _FINISH_REASONS[event.finish_reason] if event.finished else None
-        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 class _BodyLimit:
@@ -764,13 +739,13 @@ class HttpServer:
 
 
 async def start_http(
-    service: InferenceService,
+    service: FrontDoor,
     host: str,
     port: int,
     api_key: str | None = None,
     log_level: str = "warning",
     tls: TlsFiles | None = None,
-    max_body_bytes: int = ServerConfig.max_message_bytes,
+    max_body_bytes: int = MAX_MESSAGE_BYTES,
 ) -> HttpServer:
     """Serve the REST app on the running loop; returns once it listens (port 0: any free
     port, the bound one is HttpServer.port). With tls, HTTPS; with its client CA, clients

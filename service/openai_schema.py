@@ -13,9 +13,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.errors import ValidationError
+from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import SamplingParams
-from service.convert import MAX_CHAT_MESSAGES
 
+# Prompts in one completions request (each is an engine request; past the queue's room they
+# get 429), bounded before any is encoded.
+MAX_PROMPTS = 1024
 # The longest list of anything but token ids a body may hold: chat messages.
 MAX_LIST_ENTRIES = MAX_CHAT_MESSAGES
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import signal
@@ -35,12 +34,21 @@ from engine.async_engine import (
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import EngineProcess
-from engine.errors import EngineError, ModelLoadError, ValidationError
-from engine.outputs import CandidateEvent, FinishReason
+from engine.errors import ModelLoadError, ValidationError
+from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
+from engine.prompts import PromptEncoder
 from engine.request_stream import RequestStream, StreamOverflow
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert
+from service.front_door import (
+    MAX_MESSAGE_BYTES,
+    FrontDoor,
+    ServiceUnavailable,
+    UnknownModel,
+    authorized,
+    request_log,
+)
 from service.metrics import ServerMetrics, process_age, rpc_status
 from service.tls import TlsFiles, caller_scope, check_tls_files, read_pem
 from service.tracing import TRACE_EXPORTERS, RequestTracer, configure_tracing
@@ -49,8 +57,6 @@ if TYPE_CHECKING:
     from service.http_api import HttpServer
 
 log = logging.getLogger(__name__)
-# Prompts and outputs, at INFO, only with log_requests; nothing else here logs request content.
-request_log = logging.getLogger("service.requests")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
@@ -62,7 +68,7 @@ KEEPALIVE_MS = 20_000  # ping an idle connection this often; no answer this long
 class ServerConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     max_queued_requests: int = 1024  # the engine's bounded request queue
     mailbox_size: int = 256  # events a candidate may have unread before its stream fails
     # The engine loop in a child process (None: on for CUDA, where the loop's host work
@@ -137,25 +143,6 @@ class ServerConfig:
         if self.tls_cert_file is None:
             return None
         return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
-
-
-class ServiceUnavailable(EngineError):
-    """No warm engine to take new work: still loading, or draining. Retry elsewhere."""
-
-
-class UnknownModel(EngineError):
-    """The request names a model this server does not serve."""
-
-
-def authorized(header: str | None, api_key: str | None) -> bool:
-    """Whether an Authorization header value carries the key (always, when no key is set)."""
-    if api_key is None:
-        return True
-    scheme, _, token = (header or "").partition(" ")
-    # Constant-time, so the answer's timing does not leak how much of a guess was right.
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    )
 
 
 async def refuse(
@@ -241,33 +228,14 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
         return make(behavior, response_serializer=handler.response_serializer)
 
 
-class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """The RPCs. Until a warm engine is attached (and again once draining) they answer
-    UNAVAILABLE, so a client retries elsewhere instead of waiting on a cold pod."""
+class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
+    """The RPCs, behind the front door's rules: while no warm engine takes work (loading,
+    draining) they answer UNAVAILABLE. The REST shim shares this object's door."""
 
     def __init__(self, tracer: RequestTracer) -> None:
-        self.engine: AsyncEngine | None = None
-        self.model_name = ""
+        super().__init__()
         self.tracer = tracer
-        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None)
-        self.draining = False
-        self.fault: str | None = None  # the watchdog's verdict: this engine serves no more
-        self.log_requests = False  # ServerConfig.log_requests
         self.max_message_bytes = ServerConfig.max_message_bytes  # a unary response's limit
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def attach(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no generation is in flight; False if the timeout came first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     @contextlib.contextmanager
     def _observed(self, rpc: str, context) -> Iterator[list[CandidateEvent]]:
@@ -287,45 +255,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 self.metrics.request_finished(finals)
             span.finish(code, finals)
 
-    def ready_engine(self) -> AsyncEngine:
-        """The engine, if it takes new work; ServiceUnavailable while loading or draining.
-        Both front ends (gRPC and REST) ask here, so they refuse work at the same moments."""
-        if self.draining:
-            raise ServiceUnavailable("server is draining; retry elsewhere")
-        if self.engine is None:
-            raise ServiceUnavailable("model is still loading; retry later")
-        return self.engine
-
-    def check_model(self, name: str) -> None:
-        """UnknownModel unless `name` is empty or the model served here."""
-        if name and name != self.model_name:
-            raise UnknownModel(
-                f"model: {name!r} is not served here (this server serves {self.model_name!r})"
-            )
-
-    def log_prompts(self, request_id: str, prompts: list[list[int]]) -> None:
-        """The prompts of a request just queued, if log_requests; at any level, never else."""
-        if self.log_requests and self.engine is not None:
-            texts = [self.engine.tokenizer.decode(p) for p in prompts]
-            request_log.info("%s: prompt %r", request_id, texts if len(texts) > 1 else texts[0])
-
-    def log_outputs(self, request_id: str, outputs: list[str]) -> None:
-        """The outputs of a request that ended (by any door), if log_requests."""
-        if self.log_requests:
-            request_log.info("%s: output %r", request_id, outputs)
-
-    @contextlib.contextmanager
-    def in_flight_call(self) -> Iterator[None]:
-        """Count a generation in flight, so a drain waits for it."""
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
-
     async def _engine(self, context) -> AsyncEngine:
         try:
             return self.ready_engine()
@@ -335,23 +264,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         with self._observed("Generate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            request_id, n, stream = await self._submit(engine, request, context, "grpc_unary")
-            events: list[CandidateEvent] = []
+            output, stream = await self._submit(engine, request, context, "grpc_unary")
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
-                    events.append(event)
+                    output.add(event)
                     if event.finished:
                         finals.append(event)
                         await _abort_on_engine_fault(event, context)
             except StreamOverflow as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             finally:
-                if self.log_requests:
-                    texts = [""] * n
-                    for event in events:
-                        texts[event.index] += event.text
-                    self.log_outputs(stream.request_id, texts)
-            response = convert.generate_response(request_id, n, events, engine.tokenizer)
+                self.log_outputs(stream.request_id, output.texts_so_far())
+            response = convert.generate_response(output.build(), engine.tokenizer)
             advice = "ask for fewer candidates, tokens or logprobs, or use StreamGenerate"
             await self._check_size(response, context, advice)
             return response
@@ -361,23 +285,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         with self._observed("StreamGenerate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            request_id, n, stream = await self._submit(engine, request, context, "grpc_stream")
+            output, stream = await self._submit(engine, request, context, "grpc_stream")
             tokenizer = engine.tokenizer
-            texts = [""] * n  # filled only with log_requests
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
                     if event.finished:
                         finals.append(event)
                         await _abort_on_engine_fault(event, context)
                     if self.log_requests:
-                        texts[event.index] += event.text
+                        output.add(event)
                     message = convert.stream_message(event, tokenizer)
-                    message.request_id = request_id  # the caller's id, not the engine's
+                    message.request_id = output.request_id  # the caller's id, not the engine's
                     yield message
             except StreamOverflow as exc:  # this client stopped reading; it alone fails
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             finally:
-                self.log_outputs(stream.request_id, texts)
+                self.log_outputs(stream.request_id, output.texts_so_far())
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         with self._observed("Cancel", context):
@@ -395,13 +318,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             engine = await self._engine(context)
             tokenizer = engine.tokenizer
             try:  # Generate's guard: text that cannot fit the context is refused unencoded
-                ids = convert.prompt_token_ids(
-                    request,
-                    tokenizer,
-                    request.add_special_tokens,
-                    max_tokens=engine.info.max_model_len,
-                    field="text",
-                )
+                ids = convert.tokenize_token_ids(request, self.prompts(engine))
             except ValidationError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             tokens = [tokenizer.id_to_token(i) or "" for i in ids]
@@ -439,9 +356,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def _submit(
         self, engine: AsyncEngine, request: pb.GenerateRequest, context, door: str
-    ) -> tuple[str, int, RequestStream]:
+    ) -> tuple[RequestOutputBuilder, RequestStream]:
         """Validate, tokenize and queue; aborts the RPC with the right status on failure.
-        Returns the caller's request id; the stream carries the engine's (engine_request_id).
+        Returns the answer to gather, under the caller's request id, and the stream, which
+        carries the engine's (engine_request_id).
         The moment the RPC ends, however it ends (the client cancels, its deadline passes,
         its channel or process goes), the engine request is cancelled unless it finished:
         a unary call writes nothing until its end, so no failed write would tell."""
@@ -450,9 +368,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:
             self.check_model(request.model)
             params = convert.sampling_params(request)
-            token_ids = convert.prompt_token_ids(
-                request, engine.tokenizer, max_tokens=engine.info.max_model_len
-            )
+            token_ids = convert.prompt_token_ids(request, self.prompts(engine))
             stream = await engine.submit(engine_id, token_ids, params, request.priority, door)
         except ValidationError as exc:
             if exc.field == "request_id":  # the caller's own request with this id is running
@@ -468,7 +384,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         context.add_done_callback(lambda _: stream.cancel())
         self.log_prompts(engine_id, [token_ids])
-        return request_id, params.n, stream
+        return RequestOutputBuilder.start(request_id, token_ids, params.n), stream
 
 
 def engine_request_id(scope: str, request_id: str) -> str:
@@ -663,23 +579,25 @@ async def run_on_own_thread(fn, *args):
 
 
 def warm_up(engine: AsyncEngine) -> None:
-    """The front door's own first-call costs: a chat request with sampling, stopping and
-    output options through the same conversion a call takes (the chat template compiled,
-    the tokenizer's first encode). Nothing is submitted: the engine warmed itself up
-    (engine/warmup.py) before it reported ready, and metrics count only real traffic."""
+    """The front door's own first-call costs: a request's sampling, stopping and output
+    options converted as a call's are, and a chat prompt encoded as one is (the chat
+    template compiled, the tokenizer's first encode). Nothing is submitted: the engine
+    warmed itself up (engine/warmup.py) before it reported ready, and metrics count only
+    real traffic."""
     tokenizer = engine.tokenizer
     request = pb.GenerateRequest(
         sampling=pb.SamplingOptions(n=2, temperature=0.8, top_p=0.9, seed=0),
         stopping=pb.StoppingOptions(max_tokens=2, stop=["\n"]),
         output=pb.OutputOptions(logprobs=1, prompt_logprobs=1),
     )
-    if tokenizer.has_chat_template:
-        request.chat.messages.add(role="user", content="Hello")
-    else:
-        request.text = "Hello"
+    prompts = PromptEncoder.for_engine(tokenizer, engine.info)
     try:
         convert.sampling_params(request)
-        ids = convert.prompt_token_ids(request, tokenizer, max_tokens=engine.info.max_model_len)
+        # Not held to the context (PromptEncoder.check): a server's may be tinier than this.
+        if tokenizer.has_chat_template:
+            ids = prompts.tokenize(messages=[{"role": "user", "content": "Hello"}])
+        else:
+            ids = prompts.tokenize("Hello")
         tokenizer.decode(ids)
     except ValidationError as exc:
         raise ModelLoadError(f"warm-up request failed: {exc}") from exc

@@ -30,7 +30,7 @@ from engine.kernels.rotary import rotary_and_store_kv_torch
 from engine.kv.pool import kv_bytes_per_block
 from engine.llm import LLM
 from engine.model.loader import load_model
-from engine.outputs import FinishReason, RequestOutput
+from engine.outputs import FinishReason, RequestOutput, RequestOutputBuilder
 from engine.runner import upload
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -454,7 +454,12 @@ def test_mixed_prefill_and_decode_steps_with_staggered_arrivals(model_dir, monke
     while engine.has_unfinished_requests:
         for event in engine.step():
             events[event.request_id].append(event)
-    got = [RequestOutput.from_events(f"r{i}", p, 1, events[f"r{i}"]) for i, p in enumerate(prompts)]
+    got = []
+    for i, prompt in enumerate(prompts):
+        builder = RequestOutputBuilder.start(f"r{i}", prompt, 1)
+        for event in events[f"r{i}"]:
+            builder.add(event)
+        got.append(builder.build())
     assert_greedy_close(got, want)
     assert any(1 in lens and max(lens) > 1 for lens in planned), planned
 

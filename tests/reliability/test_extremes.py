@@ -25,12 +25,13 @@ import pydantic
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.convert import MAX_CHAT_MESSAGES, MAX_PROMPTS
 from service.openai_schema import (
     MAX_LIST_ENTRIES,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

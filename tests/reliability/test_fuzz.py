@@ -34,9 +34,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from engine.prompts import MAX_CHAT_MESSAGES
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service import convert
+from service.openai_schema import MAX_PROMPTS
 from service.server import SERVICE_NAME, ServerConfig
 from tests.test_grpc_server import greedy, kv_back_to_zero, serving
 from tests.tiny_models import SPECIAL_TOKENS, write_tiny_model
@@ -48,7 +49,6 @@ CONTEXT = 256  # num_blocks x block_size below: the context limit
 TIMEOUT = 60  # seconds for one call: a hang fails the test instead of stalling CI
 INT32, UINT32, INT64 = 2**31 - 1, 2**32 - 1, 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-MAX_CHAT_MESSAGES, MAX_PROMPTS = convert.MAX_CHAT_MESSAGES, convert.MAX_PROMPTS
 FAR_PAST = 20_000  # entries of a list far past its limit, well within the message limit
 
 FUZZ = settings(

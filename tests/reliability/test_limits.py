@@ -13,6 +13,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
+from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
@@ -22,7 +23,6 @@ from engine.sampling_params import (
 )
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.convert import MAX_CHAT_MESSAGES
 from service.server import ServerConfig
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model

@@ -1,0 +1,114 @@
+"""The rules every front door (gRPC, REST) applies around a generation, in one place so
+the doors agree: whether a warm engine takes work (loading and draining refuse it), whether
+a request names the model served here, whether a caller holds the API key, how a prompt
+is encoded (engine/prompts.py, held to the engine's vocabulary and context), which calls
+are in flight for a drain to wait on, and what log_requests writes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Iterator
+
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineError
+from engine.prompts import PromptEncoder
+from service.metrics import ServerMetrics
+
+# Prompts and outputs, at INFO, only with log_requests; nothing else logs request content.
+request_log = logging.getLogger("service.requests")
+
+# The largest request (and unary response) either door takes: gRPC's message limit.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ServiceUnavailable(EngineError):
+    """No warm engine to take new work: still loading, or draining. Retry elsewhere."""
+
+
+class UnknownModel(EngineError):
+    """The request names a model this server does not serve."""
+
+
+def authorized(header: str | None, api_key: str | None) -> bool:
+    """Whether an Authorization header value carries the key (always, when no key is set)."""
+    if api_key is None:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    # Constant-time, so the answer's timing does not leak how much of a guess was right.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+
+
+class FrontDoor:
+    """The serving state both doors read. Until a warm engine is attached (and again once
+    draining) no door takes work, so a client retries elsewhere instead of waiting on a
+    cold pod."""
+
+    def __init__(self) -> None:
+        self.engine: AsyncEngine | None = None
+        self.model_name = ""
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None)
+        self.draining = False
+        self.fault: str | None = None  # the watchdog's verdict: this engine serves no more
+        self.log_requests = False  # ServerConfig.log_requests
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def attach(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, if it takes new work; ServiceUnavailable while loading or draining.
+        Both doors ask here, so they refuse work at the same moments."""
+        if self.draining:
+            raise ServiceUnavailable("server is draining; retry elsewhere")
+        if self.engine is None:
+            raise ServiceUnavailable("model is still loading; retry later")
+        return self.engine
+
+    def check_model(self, name: str) -> None:
+        """UnknownModel unless `name` is empty or the model served here."""
+        if name and name != self.model_name:
+            raise UnknownModel(
+                f"model: {name!r} is not served here (this server serves {self.model_name!r})"
+            )
+
+    def prompts(self, engine: AsyncEngine) -> PromptEncoder:
+        """The prompt encoder of both doors, held to what the engine reports of itself."""
+        return PromptEncoder.for_engine(engine.tokenizer, engine.info)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation is in flight; False if the timeout came first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    @contextlib.contextmanager
+    def in_flight_call(self) -> Iterator[None]:
+        """Count a generation in flight, so a drain waits for it."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def log_prompts(self, request_id: str, prompts: list[list[int]]) -> None:
+        """The prompts of a request just queued, if log_requests; at any level, never else."""
+        if self.log_requests and self.engine is not None:
+            texts = [self.engine.tokenizer.decode(p) for p in prompts]
+            request_log.info("%s: prompt %r", request_id, texts if len(texts) > 1 else texts[0])
+
+    def log_outputs(self, request_id: str, outputs: list[str]) -> None:
+        """The outputs of a request that ended (by any door), if log_requests."""
+        if self.log_requests:
+            request_log.info("%s: output %r", request_id, outputs)
