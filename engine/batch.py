@@ -131,12 +131,9 @@ class DeviceBatch:
 
     def write_tokens(self, token_index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Sampled tokens into their rows (token_index: slot * token_width + position)."""
-        if use_triton(token_ids):
-            from engine.kernels import triton_kernels
-
-            triton_kernels.write_tokens(self.token_ids, token_index, token_ids)
-        else:
-            self.token_ids.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
+        # torch, not a Triton kernel: this runs eagerly every step, and Triton's launch
+        # from Python costs the host more than the cast and the copy do.
+        self.token_ids.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
 
     def history(
         self,

@@ -640,21 +640,3 @@ def step_inputs(
         BLOCK=block,
     )
     return input_ids, kv_slots
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _write_tokens_kernel(index_ptr, token_ids_ptr, table_ptr, num_tokens, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < num_tokens
-    index = tl.load(index_ptr + offsets, mask=mask, other=0)
-    token = tl.load(token_ids_ptr + offsets, mask=mask)
-    tl.store(table_ptr + index, token.to(tl.int32), mask=mask)
-
-
-def write_tokens(table: torch.Tensor, index: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """table.view(-1)[index] = token_ids (cast to the table's int32) in one launch."""
-    num_tokens = index.shape[0]
-    block = 256
-    _write_tokens_kernel[(triton.cdiv(num_tokens, block),)](
-        index, token_ids, table, num_tokens, BLOCK=block
-    )
