@@ -42,7 +42,7 @@ from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.stats import EngineInfo, EngineStats, StartupTimes
-from engine.stopping import StopStringMatcher, next_text
+from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -466,7 +466,7 @@ class LLMEngine:
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 
-        text, reason = next_text(seq, token_id, self.eos_token_ids)
+        text, reason = seq.next_text(token_id, self.eos_token_ids)
         event = CandidateEvent(
             request_id=request.request_id,
             index=seq.index,

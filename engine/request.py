@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.stopping import StopStringMatcher
+    from engine.stop_strings import StopStringMatcher
 
 
 class TokenMask(Protocol):
@@ -160,3 +160,32 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: higher priority first, then arrival, then candidate index."""
         return (-self.request.priority, self.request.arrival_order, self.index)
+
+    def next_text(
+        self, token_id: int, eos_token_ids: frozenset[int]
+    ) -> tuple[str, FinishReason | None]:
+        """The text to show now that token_id (appended to token_ids) was sampled, and why
+        the candidate ends here (None: it goes on): a stop string, a stop id or EOS once it
+        has min_tokens, or its length limit. A matched stop is kept in matched_stop."""
+        params = self.request.params
+        text, matched = self.stop_matcher.feed(self.detokenizer.add(token_id))
+        n_out = self.num_output_tokens
+        reason: FinishReason | None = None
+        if matched is not None:
+            reason, self.matched_stop = FinishReason.STOP, matched
+        elif token_id in params.stop_token_ids and n_out >= params.min_tokens:
+            reason, self.matched_stop = FinishReason.STOP, token_id
+        elif token_id in eos_token_ids and not params.ignore_eos and n_out >= params.min_tokens:
+            reason = FinishReason.EOS
+        elif n_out >= self.request.max_tokens:
+            limited = params.max_tokens is not None
+            reason = FinishReason.LENGTH if limited else FinishReason.CONTEXT_LIMIT
+        if reason is not None and matched is None:
+            # Held-back text that might still have begun a stop string is settled now.
+            tail, matched = self.stop_matcher.feed(self.detokenizer.flush())
+            text += tail
+            if matched is not None:
+                reason, self.matched_stop = FinishReason.STOP, matched
+            else:
+                text += self.stop_matcher.flush()
+        return text, reason

@@ -475,7 +475,7 @@ async def raw_case(doors: Doors, door: str, method: str, data: bytes, bad_field:
         ), (code, details, data)
         named_field(details)
         assert bad_field is None or details.startswith(f"{bad_field}: "), details
-    assert rpc_counts(doors, method) - counted == {code: 1}, (method, code, data)
+    assert await settled_rpc_counts(doors, method) - counted == {code: 1}, (method, code, data)
     TRIED[door, code] += 1
 
 

@@ -1,7 +1,6 @@
-"""When a candidate stops, and the text it shows until then.
+"""Stop strings, matched on generated text as it streams in.
 
-A candidate ends at a stop string, a stop token id or EOS (once it has min_tokens), or at
-its length limit. Stop strings are matched on the generated text as it streams in. A stop can straddle deltas ("<|e" + "nd|>"), so the tail of the text that could still be the
+A stop can straddle deltas ("<|e" + "nd|>"), so the tail of the text that could still be the
 start of a stop is held back until the next delta settles it. When several stops match, the one
 that completes first in the stream wins (ties: the one that starts first), so the result never
 depends on how the text was cut into deltas.
@@ -10,13 +9,8 @@ depends on how the text was cut into deltas.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from engine.errors import ValidationError
-from engine.outputs import FinishReason
-
-if TYPE_CHECKING:
-    from engine.request import Sequence as Candidate
 
 
 class StopStringMatcher:
@@ -72,33 +66,3 @@ class StopStringMatcher:
                     longest = length
                     break
         return longest
-
-
-def next_text(
-    seq: Candidate, token_id: int, eos_token_ids: frozenset[int]
-) -> tuple[str, FinishReason | None]:
-    """The text seq shows now that token_id (appended to seq.token_ids) was sampled, and
-    why it ends here (None: it goes on); a matched stop is kept in seq.matched_stop."""
-    params = seq.request.params
-    text, matched = seq.stop_matcher.feed(seq.detokenizer.add(token_id))
-    n_out = seq.num_output_tokens
-    reason: FinishReason | None = None
-    if matched is not None:
-        reason, seq.matched_stop = FinishReason.STOP, matched
-    elif token_id in params.stop_token_ids and n_out >= params.min_tokens:
-        reason, seq.matched_stop = FinishReason.STOP, token_id
-    elif token_id in eos_token_ids and not params.ignore_eos and n_out >= params.min_tokens:
-        reason = FinishReason.EOS
-    elif n_out >= seq.request.max_tokens:
-        reason = (
-            FinishReason.LENGTH if params.max_tokens is not None else FinishReason.CONTEXT_LIMIT
-        )
-    if reason is not None and matched is None:
-        # Held-back text that might still have begun a stop string is settled now.
-        tail, matched = seq.stop_matcher.feed(seq.detokenizer.flush())
-        text += tail
-        if matched is not None:
-            reason, seq.matched_stop = FinishReason.STOP, matched
-        else:
-            text += seq.stop_matcher.flush()
-    return text, reason
