@@ -23,27 +23,21 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.attention.torch_backend import TorchPagedAttention
 from engine.batch import SlotBook
 from engine.config import EngineConfig
-from engine.cuda_graphs import graph_batch_sizes, graph_memory_reserve
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
-from engine.kernel_cache import apply_kernel_cache_dir
 from engine.kv.block_manager import BlockManager
-from engine.kv.pool import kv_bytes_per_block, num_kv_blocks
-from engine.model.loader import load_model
-from engine.model_store import resolve_model
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
 from engine.request import Request, Sequence, TokenMask
-from engine.runner import LaunchedStep, ModelRunner, StepPlan
+from engine.runner import LaunchedStep, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.stats import EngineInfo, EngineStats, StartupTimes
+from engine.startup import start_up
+from engine.stats import EngineInfo, EngineStats
 from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,72 +69,18 @@ class _StepInFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        # Before anything imports triton or flashinfer: both read their cache paths then.
-        apply_kernel_cache_dir(config.kernel_cache_dir)
-        started = time.monotonic()
-        model_path = resolve_model(config.model)
-        self.model_path = model_path
-        self.tokenizer = Tokenizer.from_path(model_path)
-        device, dtype = config.torch_device, config.torch_dtype
-        on_gpu = device.type == "cuda"
-        if on_gpu:
-            from engine.attention.cuda import CudaAttention
-
-            attn = CudaAttention(device)
-        else:
-            attn = TorchPagedAttention()
-        model, self.model_config = load_model(model_path, dtype, device, attn)
-        mc = self.model_config
-        attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
-
-        loaded = time.monotonic()
-        log.info("model loaded in %.2f s: %s", loaded - started, model_path)
-
-        cache, sched, block_size = config.cache, config.scheduler, config.block_size
-        use_graphs = attn.supports_cuda_graphs and not config.enforce_eager
-        model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-        self.runner = ModelRunner(
-            model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len
-        )
-        graph_bytes = (
-            graph_memory_reserve(graph_batch_sizes(sched.max_num_seqs), attn) if use_graphs else 0
-        )
-        num_blocks = num_kv_blocks(config, self.runner, graph_bytes)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, block_size, cache.enable_prefix_caching)
-        slots = SlotBook(sched.max_num_seqs, self.runner.token_width, self.runner.block_width)
+        parts = start_up(config)
+        self.model_path, self.tokenizer = parts.model_path, parts.tokenizer
+        self.model_config, self.runner = parts.model_config, parts.runner
+        self.startup = parts.startup
+        self.pool_tokens, self.max_model_len = parts.pool_tokens, parts.max_model_len
+        eos_ids = (*self.tokenizer.eos_token_ids, *self.model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(eos_ids)
+        caching = config.cache.enable_prefix_caching
+        self.block_manager = BlockManager(parts.num_blocks, config.block_size, caching)
+        num_slots, runner = config.scheduler.max_num_seqs, self.runner
+        slots = SlotBook(num_slots, runner.token_width, runner.block_width)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, slots)
-
-        # A sequence must fit the pool on its own; that is what makes preemption deadlock-free.
-        self.pool_tokens = num_blocks * block_size
-        self.max_model_len = min(model_len, self.pool_tokens)
-        sized = time.monotonic()
-        log.info("KV pool sized and allocated in %.2f s", sized - loaded)
-        if use_graphs:
-            self.runner.capture_cuda_graphs(sched.max_num_seqs)
-            log.info("CUDA graphs captured in %.2f s", time.monotonic() - sized)
-        self.startup = StartupTimes(
-            model_load=loaded - started,
-            kv_profile=sized - loaded,
-            cuda_graphs=time.monotonic() - sized if use_graphs else 0.0,
-        )
-        log.info(
-            "engine ready: %s on %s/%s, KV pool %d blocks of %d tokens (%.2f GiB, %d tokens), "
-            "max_model_len %d, %s",
-            self.model_config.architecture,
-            device,
-            dtype,
-            num_blocks,
-            block_size,
-            num_blocks * kv_bytes_per_block(mc, block_size, dtype) / 2**30,
-            self.pool_tokens,
-            self.max_model_len,
-            "CUDA graphs" if use_graphs else "eager",
-        )
-
         self.requests: dict[str, Request] = {}
         self._in_flight: _StepInFlight | None = None  # async scheduling: launched, not collected
         self.proposer: Proposer | None = None  # set one to verify its guesses each step

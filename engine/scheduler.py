@@ -58,10 +58,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 

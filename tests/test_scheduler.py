@@ -61,7 +61,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert len(seqs) == len(set(map(id, seqs))), "a sequence scheduled twice in one step"
     # Unchunked prompts longer than the budget run whole, alone in their step.
     alone = not cfg.enable_chunked_prefill and len(out.chunks) == 1
-    assert out.num_tokens <= cfg.max_num_batched_tokens or alone
+    assert sum(c.num_tokens for c in out.chunks) <= cfg.max_num_batched_tokens or alone
     assert len(sched.running) <= cfg.max_num_seqs
     for c in out.chunks:
         assert c.seq.status is SequenceStatus.RUNNING

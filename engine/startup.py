@@ -1,0 +1,93 @@
+"""Start-up: from an EngineConfig to the model on its runner, the KV pool sized and
+allocated, the CUDA graphs captured; each phase logged and timed (StartupTimes)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.attention.torch_backend import TorchPagedAttention
+from engine.config import EngineConfig
+from engine.cuda_graphs import graph_batch_sizes, graph_memory_reserve
+from engine.kernel_cache import apply_kernel_cache_dir
+from engine.kv.pool import kv_bytes_per_block, num_kv_blocks
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model
+from engine.model_store import resolve_model
+from engine.runner import ModelRunner
+from engine.stats import StartupTimes
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    model_path: Path
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    runner: ModelRunner  # its KV pool allocated, its CUDA graphs captured
+    num_blocks: int
+    pool_tokens: int
+    # The most tokens one sequence holds: the model's context, capped by max_model_len
+    # and by the pool. A sequence must fit the pool on its own; that is what makes
+    # preemption deadlock-free.
+    max_model_len: int
+    startup: StartupTimes
+
+
+def start_up(config: EngineConfig) -> EngineParts:
+    # Before anything imports triton or flashinfer: both read their cache paths then.
+    apply_kernel_cache_dir(config.kernel_cache_dir)
+    started = time.monotonic()
+    model_path = resolve_model(config.model)
+    tokenizer = Tokenizer.from_path(model_path)
+    device, dtype = config.torch_device, config.torch_dtype
+    if device.type == "cuda":
+        from engine.attention.cuda import CudaAttention
+
+        attn = CudaAttention(device)
+    else:
+        attn = TorchPagedAttention()
+    model, mc = load_model(model_path, dtype, device, attn)
+    attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
+    loaded = time.monotonic()
+    log.info("model loaded in %.2f s: %s", loaded - started, model_path)
+
+    sched, block_size = config.scheduler, config.block_size
+    use_graphs = attn.supports_cuda_graphs and not config.enforce_eager
+    model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    runner = ModelRunner(model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len)
+    graph_sizes = graph_batch_sizes(sched.max_num_seqs)
+    graph_bytes = graph_memory_reserve(graph_sizes, attn) if use_graphs else 0
+    num_blocks = num_kv_blocks(config, runner, graph_bytes)
+    runner.allocate_kv_cache(num_blocks)
+    pool_tokens = num_blocks * block_size
+    sized = time.monotonic()
+    log.info("KV pool sized and allocated in %.2f s", sized - loaded)
+    if use_graphs:
+        runner.capture_cuda_graphs(sched.max_num_seqs)
+        log.info("CUDA graphs captured in %.2f s", time.monotonic() - sized)
+    startup = StartupTimes(
+        model_load=loaded - started,
+        kv_profile=sized - loaded,
+        cuda_graphs=time.monotonic() - sized if use_graphs else 0.0,
+    )
+    max_model_len = min(model_len, pool_tokens)
+    log.info(
+        "engine ready: %s on %s/%s, KV pool %d blocks of %d tokens (%.2f GiB, %d tokens), "
+        "max_model_len %d, %s",
+        mc.architecture,
+        device,
+        dtype,
+        num_blocks,
+        block_size,
+        num_blocks * kv_bytes_per_block(mc, block_size, dtype) / 2**30,
+        pool_tokens,
+        max_model_len,
+        "CUDA graphs" if use_graphs else "eager",
+    )
+    parts = (model_path, tokenizer, mc, runner, num_blocks, pool_tokens, max_model_len, startup)
+    return EngineParts(*parts)
