@@ -87,7 +87,7 @@ def run_info() -> dict:
                 break
     except OSError:
         pass
-    # A copy of the tree on another machine may carry stale git metadata: the caller names
+    # A copy of the tree on another machine may have stale git metadata: the caller names
     # the commit there (BENCH_COMMIT=...), having committed first.
     commit = (
         os.environ.get("BENCH_COMMIT")
