@@ -9,15 +9,17 @@
 #
 # Setup: torch 2.13.0 (the CPU build, or where `nvidia-smi` finds a GPU the CUDA build and
 # the gpu extra: flashinfer and Triton), then this project editable with its test and dev
-# extras. It runs again when pyproject.toml changes. TORCH_PIP_ARGS goes to the torch
-# install: where the registry's plain torch wheel is a CUDA build and a CPU one is wanted,
+# extras (TORCH_BUILD=cpu or gpu overrides the guess). It runs again when pyproject.toml
+# changes. TORCH_PIP_ARGS goes to the torch install: where the registry's plain torch
+# wheel is a CUDA build and a CPU one is wanted,
 # TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
-DEVICE ?= $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo gpu || echo cpu)
+TORCH_BUILD ?= $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo gpu || echo cpu)
+TORCH_BUILD := $(TORCH_BUILD)
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
@@ -25,9 +27,9 @@ GPU_STEPS ?= bench
 TINY_MODEL ?= /tmp/pagedserve-tiny-llama
 
 comma := ,
-EXTRAS := test,dev$(if $(filter gpu,$(DEVICE)),$(comma)gpu)
+EXTRAS := test,dev$(if $(filter gpu,$(TORCH_BUILD)),$(comma)gpu)
 PY := $(VENV)/bin/python
-SETUP := $(VENV)/.installed-$(DEVICE)
+SETUP := $(VENV)/.installed-$(TORCH_BUILD)
 
 .PHONY: help setup serve test lint bench-cpu bench-serving bench-host bench-placement \
 	soak overload long-prompt gpu-wheels bench-gpu
@@ -41,7 +43,7 @@ $(SETUP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
-	@if [ "$(DEVICE)" = gpu ]; then $(PY) -c 'import sys, torch; sys.exit(torch.version.cuda is None)' \
+	@if [ "$(TORCH_BUILD)" = gpu ]; then $(PY) -c 'import sys, torch; sys.exit(torch.version.cuda is None)' \
 	  || { echo "torch is a CPU build on a GPU machine: reinstall it with TORCH_PIP_ARGS"; exit 1; }; fi
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	rm -f $(VENV)/.installed-*
