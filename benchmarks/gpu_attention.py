@@ -17,9 +17,8 @@ kernel (engine/kernels/decode_attention.py, which the CUDA-graph decode runs) on
 workload's steps also with the batch ordered longest context first (--workload-only: the
 workload's steps as they come). TensorRT-LLM's XQA kernel
 (flashinfer.decode.xqa_batch_decode_with_kv_cache) is still in decode_call, out of
-VARIANTS. Earlier runs found no gain in the HND layout
-(results/h200-attention-layouts-a9c9c32.json), in 32-token pages or in the FA3 backend of
-the tensor-core path (1.5-1.9 TB/s; results/h200-attention-8b04cba.json).
+VARIANTS. Earlier runs found no gain in the HND layout, in 32-token pages or in the FA3
+backend of the tensor-core path (1.5-1.9 TB/s; benchmarks/RESULTS.md's log).
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def workload_contexts(step: int) -> list[int]:
 
 # (name, page size): the first variant's output is the reference the others are checked
 # against. XQA, TensorRT-LLM's decode kernel (no plan: block table + lengths), was slower
-# at every shape (results/h200-attention-workload-8c1aff7.json) and is left out by default.
+# at every shape (benchmarks/RESULTS.md's log, 2026-11-30) and is left out by default.
 VARIANTS = (
     ("cuda-core", 16),  # BatchDecodeWithPagedKVCacheWrapper
     ("tensor-core", 16),  # the same wrapper on the prefill kernels (backend auto)

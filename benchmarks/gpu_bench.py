@@ -1,9 +1,9 @@
-"""GPU benchmarks of issue 4: offline throughput against its roofline, and batch-1 latency.
+"""GPU benchmarks: offline throughput against its roofline, and batch-1 latency.
 
     python benchmarks/gpu_bench.py --shape qwen3-0.6b --json-out result.json [--compare-transformers]
 
 The model is random bf16 weights of a real model's shape, written to an HF directory by
-this tool (real weights are out of reach here; speed does not depend on their values).
+this tool (no download needed; speed does not depend on the weights' values).
 The throughput workload is nano-vllm's: random.seed(0); 256 prompts of randint(100, 1024)
 token ids drawn with randint(0, 10000), then 256 output lengths randint(100, 1024),
 ignore_eos, temperature 0.6 — 142,827 prompt and 133,966 output tokens — run --repeats
@@ -186,8 +186,8 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
     Run r adds r to every prompt token id (ids stay under the vocabulary), so no run hits
     the prefix cache the runs before it filled; lengths, and so the work, are the same.
     Repeats in one process share its start-up and its machine, so they separate a change
-    from run-to-run noise more cheaply than separate device calls (whose copy bandwidth
-    alone moves by a few percent)."""
+    from run-to-run noise more cheaply than separate machines or processes (whose copy
+    bandwidth alone moves by a few percent)."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -205,10 +205,10 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
     llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=8))  # warm-up
-    # Whole untimed runs first: in the first process of a device call the first run has
-    # stalled ~40 s in flashinfer's JIT build of the eager decode modules, which its first
-    # step mixing prefill and decode rows plans (results/h200-first-process-stall-stacks-
-    # 3187ba9.txt), and a median of three with one such run is the slower of the other two.
+    # Whole untimed runs first: on a machine whose kernel cache lacks them, the first run
+    # has stalled ~40 s in flashinfer's JIT build of the eager decode modules, which its
+    # first step mixing prefill and decode rows plans, and a median of three with one such
+    # run is the slower of the other two.
     # Their ids are shifted past the timed runs'.
     warmups = [
         run_workload(llm, work, params, args.repeats + i, f"warm-up {i + 1} of {args.warmup_runs}")

@@ -8,7 +8,7 @@ times each engine step with the model's forward, its LM head and the sampler tak
 What is left is the Python the engine runs per step on any device: the scheduler, the
 step's inputs, the sampling rows, and the token post-processing (detokenize, stops,
 events). On the GPU that work runs beside the device's (async scheduling); wherever it
-takes longer than a step's kernels the GPU idles (gpu_profile.py --run-kernels finds where).
+takes longer than a step's kernels the GPU idles.
 
 Greedy sampling by default: the CPU's random sampler over the vocabulary would set the run
 time, and the host work around it is the same. The vocabulary size changes the model's
@@ -18,9 +18,11 @@ time, not the host's: the default keeps CPU runs short.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
+import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +32,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import NANO_VLLM_WORKLOAD, Shape, write_random_model  # noqa: E402
-from benchmarks.gpu_profile import timed  # noqa: E402
 from benchmarks.workload import make_workload, run_info  # noqa: E402
 
 # A Qwen3 of one narrow layer: the model's size changes its compute, not the host's work.
@@ -47,6 +48,20 @@ DEVICE_WORK = (
     "attention plan",
     "batch tables",
 )
+
+
+def timed(totals: dict[str, float], name: str, fn):
+    """fn, adding the seconds each call takes to totals[name]."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+
+    return wrapper
 
 
 def instrument(engine) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Serving benchmark: drive a pagedserve server over gRPC and measure what clients see.
 
     python benchmarks/serving.py --start-server --concurrency 16 --num-prompts 64 \\
-        --compare-offline --json-out benchmarks/results/cpu-serving-smollm2.json
+        --compare-offline --json-out /tmp/serving.json
 
 Load: `--concurrency N` is a closed loop (N workers, each sends its next request when its
 last one finished); `--request-rate R` is an open loop with Poisson arrivals at R requests/s.

@@ -87,8 +87,8 @@ def run_info() -> dict:
                 break
     except OSError:
         pass
-    # A device machine gets a copy of the working tree whose git metadata can be stale: the
-    # caller names the commit there (BENCH_COMMIT=...), having committed first.
+    # A copy of the tree on another machine may have stale git metadata: the caller names
+    # the commit there (BENCH_COMMIT=...), having committed first.
     commit = (
         os.environ.get("BENCH_COMMIT")
         or subprocess.run(

@@ -1,4 +1,4 @@
-"""The GPU path (issue 4): bf16 on CUDA through flashinfer and CUDA graphs, checked against
+"""The GPU path: bf16 on CUDA through flashinfer and CUDA graphs, checked against
 the CPU float32 reference and against itself with each optimisation turned off.
 
 Two bf16 runs that take different kernels (graph or eager, cached prefix or recomputed,

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Stage other engines for an A/B in one device call: .ab_base/ (git-ignored) gets one
+# Stage other engines for an A/B on one GPU host: .ab_base/ (git-ignored) gets one
 # directory per engine, each holding that commit's engine/ and proto/ beside this tree's
 # benchmarks/, so run.sh's bench-base step times the same benchmark on each of them, on
-# the same machine as bench. With patches (the diffs of experiments not on main), each
-# patch is applied to its own copy of the commit's engine: several experiments, one call.
+# the same machine as bench. With patches (diffs of experiments not committed), each patch
+# is applied to its own copy of the commit's engine: several experiments in one run.
 #
 #   bash benchmarks/gpu/ab_base.sh <commit> [patch ...]
 #   AB_KEEP=1 bash benchmarks/gpu/ab_base.sh <another commit>   # adds to those staged
-#   run(command="BENCH_COMMIT=<this commit> bash benchmarks/gpu/run.sh bench bench-base",
-#       carry=[".whl", ".ficache.tgz", ".ab_base"])
+#
+# then copy the repository with .whl/ and .ab_base/ to the GPU host and run there
+#
+#   BENCH_COMMIT=<this commit> bash benchmarks/gpu/run.sh bench bench-base
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 commit=$(git rev-parse --short "${1:?usage: ab_base.sh <commit> [patch ...]}")

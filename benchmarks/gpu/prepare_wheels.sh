@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Fetch, here, the wheels the GPU machine lacks (it has no network): flashinfer and the
-# packages pagedserve needs beyond that machine's image. They land in .whl/ (git-ignored),
-# which every device call carries; benchmarks/gpu/run.sh installs them there.
+# Fetch, on a machine with network, the wheels a GPU host without network lacks beyond
+# Python 3.12 and CUDA torch: flashinfer and the packages pagedserve needs. They land in
+# .whl/ (git-ignored); copy the repository with it to the GPU host, where
+# benchmarks/gpu/run.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}

@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, run the GPU tests and the GPU benchmarks,
-# leave one log (log.txt) and JSON results in $OUT (at most 8 files come back).
-# Run benchmarks/gpu/prepare_wheels.sh here first.
+# The GPU tests and benchmarks on one CUDA host (Python 3.12 with CUDA torch installed;
+# it needs no network): run benchmarks/gpu/prepare_wheels.sh on a machine with network
+# first, copy the repository with its .whl/ to the GPU host and run, from the repository
+# root,
 #
-#   run(command="bash benchmarks/gpu/run.sh tests bench", carry=[".whl", ".ficache.tgz"])
+#   bash benchmarks/gpu/run.sh tests bench        # or: make bench-gpu
 #
-# Steps (arguments, in any order): tests, kernels, overlap, forward, forward-base (the
-# forward on each engine benchmarks/gpu/ab_base.sh staged), host-costs, host-overhead,
-# linear, attention, attention-workload, bench, bench-base (bench on each staged engine),
-# bench-hf (adds transformers), bench-32k (32,768-token steps),
-# bench-sync (async scheduling off), serving (gRPC at concurrency 256 vs offline),
-# serving-cold (the same from an empty kernel cache filled by `pagedserve warmup`, then
-# Poisson arrivals at 80% of the measured rate), smollm2,
-# profile, cprofile, profile-kernels, profile-batch1, profile-rows32, profile-prefill, cprofile-prefill,
-# profile-run. flashinfer's JIT cache (and Triton's) lives in .ficache/ (git-ignored); it travels
-# as .ficache.tgz (the carry limit is 64 MiB, the wheels take half), and comes back as
-# ficache.tar.gz.* parts (16 MiB per file comes back): cat them into .ficache.tgz for the
-# next call.
+# The wheels are installed into /tmp/site; every step appends to $OUT/log.txt (default
+# OUT=/tmp/out) and writes its JSON result beside it.
+#
+# Steps (arguments, in any order):
+#   tests               the GPU tests (pytest -m gpu)
+#   bench               gpu_bench.py: nano-vllm's workload against its roofline, batch-1 latency
+#   bench-base          the same benchmark on each engine benchmarks/gpu/ab_base.sh staged
+#   bench-hf            bench, plus transformers on the same workload
+#   bench-32k           bench with 32,768-token steps
+#   bench-sync          bench with async scheduling off
+#   smollm2             bench on the SmolLM2-135M shape
+#   host-overhead       host_overhead.py: the engine's host work per step, on this host's CPU
+#   serving             gRPC at concurrency 256 against offline (serving.py)
+#   serving-cold        the same from an empty kernel cache filled by `pagedserve warmup`,
+#                       then Poisson arrivals at 80% of the measured rate
+#   kernels             gpu_kernels.py: Triton vs eager vs torch.compile
+#   linear              gpu_kernels.py --tokens: the projections' GEMMs
+#   attention           gpu_attention.py: the decode attention kernels
+#   attention-workload  gpu_attention.py at the workload's own decode steps only
+#
+# flashinfer's and Triton's kernel caches live in .ficache/ (git-ignored). A run leaves
+# them in $OUT as ficache.tar.gz.* (12 MiB parts); `cat` them into .ficache.tgz in the
+# repository root and the next run on a fresh host starts from those kernels.
 set -uo pipefail
 BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
-# Experiment patches to apply to this (throwaway) copy of the tree first, so that its
-# steps (the GPU tests above all) run the experiment: APPLY_PATCHES="benchmarks/gpu/patches/x.patch".
+# Diffs to apply to this (throwaway) copy of the tree first, so that its steps (the GPU
+# tests above all) run an experiment: APPLY_PATCHES="/path/to/experiment.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
-# What forward and forward-base time: the decode forward alone at the workload's steps.
-FORWARD=(benchmarks/gpu_overlap.py --variants "one batch" --steps 50 300 600 850 950)
 cd "$(dirname "$0")/../.."
 for patch in $APPLY_PATCHES; do
   { git apply "$patch" 2>/dev/null || patch -p1 --forward < "$patch"; } || exit 1
@@ -35,7 +45,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/proto PYTHONUNBUFFERED=1
-# Triton's kernel cache travels with flashinfer's, or each fresh machine compiles the
+# Triton's kernel cache is kept with flashinfer's, or each fresh host compiles the
 # engine's Triton kernels again in its first engine start.
 export FLASHINFER_WORKSPACE_BASE=$PWD/.ficache TRITON_CACHE_DIR=$PWD/.ficache/triton MAX_JOBS=16
 mkdir -p .ficache
@@ -48,29 +58,13 @@ status=0
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    # Only the modules with GPU tests: the others import test-only packages the device lacks.
+    # Only the modules with GPU tests: the others import test-only packages the host may lack.
     tests) python3 -m pytest -q -s -m gpu $(grep -l "pytest.mark.gpu" tests/*.py) \
         -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    overlap) python3 benchmarks/gpu_overlap.py --json-out "$OUT/gpu-overlap.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    # A decode step's forward alone, in its CUDA graph, at the workload's steps: repeats
-    # within ~0.3% on one machine, where a whole offline run spreads by several percent.
-    # forward-base times it on this tree and each staged engine in turn, twice (log only).
-    forward) python3 "${FORWARD[@]}" --json-out "$OUT/gpu-forward.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    forward-base) failed=0
-      for round in 1 2; do
-        for tree in . .ab_base/*/; do
-          label=$( [ "$tree" = . ] && echo this || cat "$tree/COMMIT" )
-          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD:$PWD/proto python3 "${FORWARD[@]}") 2>&1 \
-            | sed "s|^|[$label] |" | tee -a "$OUT/log.txt" || failed=1
-        done
-      done
-      (exit $failed) ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    host-costs) python3 benchmarks/gpu_host_costs.py --json-out "$OUT/gpu-host-costs.json" 2>&1 \
-        | tee -a "$OUT/log.txt" ;;
     # The engine's own host work per step, on this machine's CPU (no GPU involved).
     host-overhead) python3 benchmarks/host_overhead.py --repeats 3 --max-out 300 --json-out "$OUT/host-overhead.json" \
         2>&1 | tee -a "$OUT/log.txt" ;;
@@ -97,7 +91,7 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('/tmp/pagedserve-bench-models/qwen
         --concurrency 256 --num-prompts 256 --min-in 100 --max-in 1024 --min-out 100 \
         --max-out 1024 --max-num-batched-tokens 16384 --compare-offline \
         --json-out "$OUT/gpu-serving-qwen3-0.6b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    # A pod's start on a fresh machine: no kernel cache carried in. `pagedserve warmup` fills
+    # A pod's start on a fresh host: no kernel cache to start from. `pagedserve warmup` fills
     # an empty one (timed), a server started on it serves the nano-vllm workload at
     # concurrency 256 from the moment it reports SERVING (no untimed requests), offline runs
     # on the same cache, then a server serves Poisson arrivals at 80% of the measured rate.
@@ -119,14 +113,6 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-serving-poisson.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile) python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$OUT/log.txt" ;;
-    cprofile) python3 benchmarks/gpu_profile.py --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile-kernels) python3 benchmarks/gpu_profile.py --kernels 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile-batch1) python3 benchmarks/gpu_profile.py --kernels --rows 1 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile-rows32) python3 benchmarks/gpu_profile.py --kernels --rows 32 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile-prefill) python3 benchmarks/gpu_profile.py --prefill 2>&1 | tee -a "$OUT/log.txt" ;;
-    cprofile-prefill) python3 benchmarks/gpu_profile.py --prefill --cprofile 2>&1 | tee -a "$OUT/log.txt" ;;
-    profile-run) python3 benchmarks/gpu_profile.py --run-kernels 2>&1 | tee -a "$OUT/log.txt" ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows $LINEAR_ARGS \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
@@ -135,7 +121,7 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
   echo "step $step: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/log.txt"
   [ "$rc" = 0 ] || status=$rc
 done
-# The caches travel with the wheels under the 64 MiB carry limit: watch their size.
+# The kernel caches, for the next run (see the top of this file).
 du -sh .ficache/triton .ficache/.cache/flashinfer 2>&1 | tee -a "$OUT/log.txt"
 tar czf - -C .ficache . 2>/dev/null | split -b 12M - "$OUT/ficache.tar.gz."
 ls -la "$OUT"

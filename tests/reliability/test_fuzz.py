@@ -1,4 +1,4 @@
-"""Bad input fuzzing (issue 7, item 5): hypothesis draws requests over every field of the
+"""Bad input fuzzing: hypothesis draws requests over every field of the
 gRPC GenerateRequest and TokenizeRequest and of the REST /v1/completions,
 /v1/chat/completions, /tokenize and /detokenize bodies
 (empty, huge, negative, NaN and infinities, every numeric type's extremes (uint32, int32,

@@ -1,4 +1,4 @@
-"""Limits (issue 7, item 8, part): every bound on a request's size holds at both doors,
+"""Limits: every bound on a request's size holds at both doors,
 gRPC and REST, with an error that names the field: the message size (max_message_bytes,
 the REST body too: 413, read no further than the limit), prompt tokens and max_tokens
 against the context, n, stop strings (count and length), stop token ids, logprobs and

@@ -5,7 +5,7 @@ prompt prefills over several steps and every running stream gets its token in ea
 them, so their inter-token latency stays bounded by one small step. Without it the whole
 prompt runs in one step that every running stream waits for. Structural, not timed: the
 engine's steps are recorded as the scheduler made them. The timings are
-benchmarks/long_prompt_itl.py's (docs/RELIABILITY.md)."""
+benchmarks/reliability/long_prompt_itl.py's (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Security (issue 7, item 8): TLS and mTLS on both ports, the API key over TLS, request
+"""Security: TLS and mTLS on both ports, the API key over TLS, request
 content kept out of the logs, and request ids one caller cannot use against another.
 
 Real servers on loopback over a tiny random model; a throwaway CA, server and client

@@ -1,8 +1,8 @@
-"""Soak: minutes of Poisson load against one server, watched for drift (issue 7, item 9).
+"""Soak: minutes of Poisson load against one server, watched for drift.
 
-    python benchmarks/soak.py --start-server --model DIR --max-num-seqs 32 \\
+    python benchmarks/reliability/soak.py --start-server --model DIR --max-num-seqs 32 \\
         --measure-capacity 30 --load 0.8 --minutes 3 --interval 15
-    python benchmarks/soak.py --target HOST:PORT --metrics-url http://HOST:PORT/metrics \\
+    python benchmarks/reliability/soak.py --target HOST:PORT --metrics-url http://HOST:PORT/metrics \\
         --pid PID --rate 5 --minutes 60
 
 Requests are the shared workload's prompts, over and over (benchmarks/workload.py; with
@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.serving import (  # noqa: E402
     RequestRecord,

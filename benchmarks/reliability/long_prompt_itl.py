@@ -1,6 +1,6 @@
-"""Inter-token latency of running streams when a long prompt arrives (issue 7, item 3).
+"""Inter-token latency of running streams when a long prompt arrives.
 
-    python benchmarks/long_prompt_itl.py --long-prompt 1024 --stream-tokens 64 --chunk 256 64
+    python benchmarks/reliability/long_prompt_itl.py --long-prompt 1024 --stream-tokens 64 --chunk 256 64
 
 For chunked prefill on (`--chunk` tokens per step, one or more budgets) and off (a step
 budget that fits the whole prompt beside the decodes), a server is started (serving.py's,
@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.serving import send, started_server, wait_ready  # noqa: E402
 from benchmarks.workload import (  # noqa: E402

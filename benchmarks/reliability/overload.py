@@ -1,6 +1,6 @@
-"""Overload: a burst of several times the queue limit, all at once (issue 7, item 4).
+"""Overload: a burst of several times the queue limit, all at once.
 
-    python benchmarks/overload.py --model DIR --max-queued-requests 16 --max-num-seqs 8 \
+    python benchmarks/reliability/overload.py --model DIR --max-queued-requests 16 --max-num-seqs 8 \
         --burst 4 --max-tokens 64
 
 Starts a server (serving.py's started_server) with REST and /metrics on, then sends
@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import httpx2 as httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.serving import (  # noqa: E402
     add_engine_args,
