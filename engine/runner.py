@@ -99,6 +99,19 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     ]
 
 
+@dataclass
+class _StepRows:
+    """A step's rows as the model runs them."""
+
+    uploads: list[np.ndarray]  # each row's slot and position [2, rows], then eager's metadata
+    slots: np.ndarray  # int32, per sequence (a graph's: padded), for the attention plan
+    seq_lens: np.ndarray  # int32, the same
+    sample_slots: np.ndarray  # int64, per sampled row
+    sample_ends: np.ndarray  # the position each sampled token goes to
+    spans: dict[int, tuple[int, int]]  # sequence -> its prompt-predicting rows (first, count)
+    num_logit_rows: int
+
+
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """int64: starts[0] .. starts[0] + counts[0] - 1, then the same for every entry."""
     total = int(counts.sum())
@@ -156,43 +169,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> LaunchedStep:
         """Queue a step's work on the device; collect() waits for it and reads it back."""
-        batch = len(plan.slots)
-        query_starts = np.zeros(batch + 1, dtype=np.int32)
-        np.cumsum(plan.query_lens, out=query_starts[1:])
-        row_slots = np.repeat(plan.slots.astype(np.int64), plan.query_lens)
-        positions = _ranges(plan.seq_lens - plan.query_lens, plan.query_lens)
-        # The rows whose logits are read: each sequence's last num_samples, then the
-        # prompt-predicting rows of the chunks that want prompt logprobs.
-        sampled = _ranges(query_starts[1:] - plan.num_samples, plan.num_samples)
-        spans = {i: self._prompt_span(plan, i, int(query_starts[i])) for i in plan.prompt_logprobs}
-        logit_rows = np.concatenate([sampled, *(np.arange(a, a + n) for a, n in spans.values())])
-        sample_targets = row_slots[sampled] * self.token_width + positions[sampled] + 1
         graph = self._replayable(plan)
-        slots, seq_lens, query_lens = plan.slots, plan.seq_lens, plan.query_lens
-        if graph:  # padded to the captured batch size: padding rows use the padding slot
-            pad = self.graphs.batch_size_for(batch) - batch
-            slots = np.pad(slots, (0, pad), constant_values=self.batch.padding_slot)
-            row_slots = slots.astype(np.int64)
-            positions = np.pad(positions, (0, pad))
-            seq_lens = np.pad(seq_lens, (0, pad), constant_values=1)
-            query_lens = np.ones(batch + pad, dtype=np.int32)
-            query_starts = np.arange(batch + pad + 1, dtype=np.int32)
-        history = self._penalty_history(plan, row_slots[sampled], positions[sampled] + 1)
-
-        step_arrays = [np.stack([row_slots, positions]), query_starts, seq_lens.astype(np.int32)]
-        step_arrays += [logit_rows, sample_targets, *history, *plan.sampling.arrays()]
-        uploaded = upload([*plan.changes.arrays(), *step_arrays], self.device)
+        rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
+        history = self._penalty_history(plan, rows.sample_slots, rows.sample_ends)
+        targets = rows.sample_slots * self.token_width + rows.sample_ends
+        host = [*plan.changes.arrays(), targets, *rows.uploads, *history, *plan.sampling.arrays()]
+        uploaded = upload(host, self.device)
         self.batch.apply(*uploaded[:4])
-        token_inputs, query_starts_d, seq_lens_d, logit_rows_d, targets_d, *rest = uploaded[4:]
-        row_slots_d, positions_d = token_inputs
+        targets_d, token_inputs = uploaded[4:6]
+        rest = uploaded[5 + len(rows.uploads) :]
         if graph:  # the graph reads its inputs from the tables itself
-            hidden = self.graphs.run(token_inputs, slots, seq_lens)
+            hidden = self.graphs.run(token_inputs, rows.slots, rows.seq_lens)
         else:
+            query_starts_d, seq_lens_d, logit_rows_d = uploaded[6:9]
+            row_slots_d, positions_d = token_inputs
             input_ids, kv_slots = self.batch.inputs(row_slots_d, positions_d, self.block_size)
             meta = AttentionMetadata(
-                slots=slots,
-                query_lens=query_lens,
-                seq_lens=seq_lens,
+                slots=rows.slots,
+                query_lens=plan.query_lens,
+                seq_lens=rows.seq_lens,
                 query_start_loc=query_starts_d,
                 seq_lens_device=seq_lens_d,
                 block_table=self.batch.block_table,
@@ -211,13 +206,16 @@ class ModelRunner:
             output_ids = self.batch.history(slots_h, starts_h, ends_h, width, pad)
         tensors = plan.sampling.on_device(rest, seen_ids, output_ids)
 
-        num_samples = len(sampled)
-        if not len(logit_rows):  # every chunk is a middle piece of a prefill: nothing to read
+        num_samples = len(targets)
+        if graph:  # one sample per sequence, in order: the first rows, no gather
+            logits = self.model.compute_logits(hidden[:num_samples])
+        elif rows.num_logit_rows:
+            logits = self.model.compute_logits(hidden[logit_rows_d])
+        else:  # every chunk is a middle piece of a prefill: nothing to read
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
-        logits = self.model.compute_logits(hidden[logit_rows_d])
         launched = self._sample(logits[:num_samples], tensors, plan, targets_d)
         offset = num_samples
-        for i, (_, count) in spans.items():
+        for i, (_, count) in rows.spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).
             start = int(plan.slots[i]) * self.token_width + int(
                 plan.seq_lens[i] - plan.query_lens[i]
@@ -227,6 +225,45 @@ class ModelRunner:
             launched.prompt_logprobs[i] = _to_token_logprobs(*lps, targets.tolist())
             offset += count
         return launched
+
+    def _eager_rows(self, plan: StepPlan) -> _StepRows:
+        """Every position the step computes, as a flat row; the rows whose logits are read:
+        each sequence's last num_samples, then the prompt-predicting rows of the chunks
+        that want prompt logprobs."""
+        query_starts = np.zeros(len(plan.slots) + 1, dtype=np.int32)
+        np.cumsum(plan.query_lens, out=query_starts[1:])
+        row_slots = np.repeat(plan.slots.astype(np.int64), plan.query_lens)
+        positions = _ranges(plan.seq_lens - plan.query_lens, plan.query_lens)
+        sampled = _ranges(query_starts[1:] - plan.num_samples, plan.num_samples)
+        spans = {i: self._prompt_span(plan, i, int(query_starts[i])) for i in plan.prompt_logprobs}
+        logit_rows = np.concatenate([sampled, *(np.arange(a, a + n) for a, n in spans.values())])
+        uploads = [np.stack([row_slots, positions]), query_starts, plan.seq_lens, logit_rows]
+        return _StepRows(
+            uploads,
+            plan.slots,
+            plan.seq_lens,
+            row_slots[sampled],
+            positions[sampled] + 1,
+            spans,
+            len(logit_rows),
+        )
+
+    def _graph_rows(self, plan: StepPlan) -> _StepRows:
+        """A pure decode step padded to its graph's batch size with rows of the padding
+        slot (position 0, length 1). Built directly: this runs for every decode step, and
+        at batch 1 its host time is the step's."""
+        batch, size = len(plan.slots), self.graphs.batch_size_for(len(plan.slots))
+        token_inputs = np.zeros((2, size), dtype=np.int64)  # each row's slot and position
+        token_inputs[0] = self.batch.padding_slot
+        token_inputs[0, :batch] = plan.slots
+        token_inputs[1, :batch] = plan.seq_lens
+        token_inputs[1, :batch] -= 1
+        seq_lens = np.ones(size, dtype=np.int32)
+        seq_lens[:batch] = plan.seq_lens
+        slots = token_inputs[0].astype(np.int32)
+        return _StepRows(
+            [token_inputs], slots, seq_lens, token_inputs[0, :batch], plan.seq_lens, {}, batch
+        )
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step and read its results back."""
@@ -260,11 +297,14 @@ class ModelRunner:
         return [sample_slots[rows], starts, sample_ends[rows]]
 
     def _replayable(self, plan: StepPlan) -> bool:
-        """A CUDA graph can run the step: pure decode, and no more rows than the largest."""
+        """A CUDA graph can run the step: pure decode, every sequence sampling its next
+        token (no middle piece of a prefill, no prompt logprobs), and no more rows than the
+        largest graph."""
         return (
             self.graphs is not None
             and len(plan.slots) <= self.graphs.max_batch_size
-            and bool((plan.query_lens == 1).all())
+            and not plan.prompt_logprobs
+            and bool((plan.query_lens == 1).all() and (plan.num_samples == 1).all())
         )
 
     def _sample(

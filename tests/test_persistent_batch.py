@@ -166,6 +166,36 @@ def test_runner_decodes_from_a_hand_written_plan(tiny_llama):
     assert runner.batch.token_ids[slot, : len(prompt) + 6].tolist() == prompt + want
 
 
+def test_a_graph_steps_rows_are_the_eager_rows_padded_with_the_padding_slot(tiny_llama):
+    """A CUDA graph's decode step builds its rows its own quicker way: the same slots,
+    positions and sampled places as the eager rows, then padding rows (the padding slot,
+    position 0, length 1) up to the graph's size."""
+    runner = make_llm(tiny_llama).engine.runner
+    runner.graphs = type("Sizes", (), {"batch_size_for": lambda self, n: 8})()  # sizing only
+    vocab = runner.config.vocab_size
+    plan = StepPlan(
+        slots=np.array([3, 0, 5], dtype=np.int32),
+        query_lens=np.ones(3, dtype=np.int32),
+        seq_lens=np.array([17, 4, 9], dtype=np.int32),
+        num_samples=np.ones(3, dtype=np.int32),
+        num_prompt_tokens=np.array([10, 2, 9], dtype=np.int32),
+        sampling=SamplingRows.build(
+            [SamplingParams(**GREEDY)] * 3, [0] * 3, [0] * 3, [[]] * 3, vocab
+        ),
+        prompt_logprobs={},
+        changes=SlotBook(6, runner.token_width, runner.block_width).take_changes(),
+    )
+    eager, graph = runner._eager_rows(plan), runner._graph_rows(plan)
+    padding = runner.batch.padding_slot
+    assert graph.uploads[0].tolist() == [[3, 0, 5] + [padding] * 5, [16, 3, 8] + [0] * 5]
+    assert np.array_equal(graph.uploads[0][:, :3], eager.uploads[0])
+    assert graph.slots.tolist() == [3, 0, 5] + [padding] * 5
+    assert graph.seq_lens.tolist() == [17, 4, 9] + [1] * 5
+    assert np.array_equal(graph.sample_slots, eager.sample_slots)
+    assert np.array_equal(graph.sample_ends, eager.sample_ends)
+    assert graph.num_logit_rows == eager.num_logit_rows == 3 and not graph.spans
+
+
 # ---- multi-token steps ----------------------------------------------------------------------
 
 
