@@ -109,7 +109,6 @@ class _StepRows:
     sample_slots: np.ndarray  # int64, per sampled row
     sample_ends: np.ndarray  # the position each sampled token goes to
     spans: dict[int, tuple[int, int]]  # sequence -> its prompt-predicting rows (first, count)
-    num_logit_rows: int
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -209,7 +208,7 @@ class ModelRunner:
         num_samples = len(targets)
         if graph:  # one sample per sequence, in order: the first rows, no gather
             logits = self.model.compute_logits(hidden[:num_samples])
-        elif rows.num_logit_rows:
+        elif len(logit_rows_d):
             logits = self.model.compute_logits(hidden[logit_rows_d])
         else:  # every chunk is a middle piece of a prefill: nothing to read
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
@@ -245,7 +244,6 @@ class ModelRunner:
             row_slots[sampled],
             positions[sampled] + 1,
             spans,
-            len(logit_rows),
         )
 
     def _graph_rows(self, plan: StepPlan) -> _StepRows:
@@ -256,13 +254,12 @@ class ModelRunner:
         token_inputs = np.zeros((2, size), dtype=np.int64)  # each row's slot and position
         token_inputs[0] = self.batch.padding_slot
         token_inputs[0, :batch] = plan.slots
-        token_inputs[1, :batch] = plan.seq_lens
-        token_inputs[1, :batch] -= 1
+        token_inputs[1, :batch] = plan.seq_lens - 1
         seq_lens = np.ones(size, dtype=np.int32)
         seq_lens[:batch] = plan.seq_lens
         slots = token_inputs[0].astype(np.int32)
         return _StepRows(
-            [token_inputs], slots, seq_lens, token_inputs[0, :batch], plan.seq_lens, {}, batch
+            [token_inputs], slots, seq_lens, token_inputs[0, :batch], plan.seq_lens, {}
         )
 
     def collect(self, launched: LaunchedStep) -> StepOutput:

@@ -87,7 +87,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_holds_the_edges_it_checks():
     graph = import_graph()
-    assert {"engine.startup", "engine.tokenizer", "service.server", "service.http_api"} <= set(graph)
+    assert {"engine.startup", "engine.tokenizer", "service.server", "service.http_api"} <= set(
+        graph
+    )
     assert "engine.tokenizer" in graph["engine.startup"]  # a module-level import
     assert "service.http_api" in graph["service.server"]  # a function-level one
     assert "engine.errors" in graph["engine.tokenizer"]  # `from engine.errors import ...`
