@@ -80,7 +80,7 @@ class ServerMetrics:
         self.time_to_ready = Gauge(
             "pagedserve_time_to_ready_seconds",
             "Process start to readiness SERVING: model load, KV profile, CUDA graphs and "
-            "warm-up included (0 until ready).",
+            "warm-up included (0 until ready); short by at most a clock tick and 10 ms.",
             registry=self.registry,
         )
         self.registry.register(_EngineStatsCollector(engine_stats))
@@ -133,14 +133,17 @@ class ServerMetrics:
 
 
 def process_age() -> float | None:
-    """Seconds since this process started (Linux: /proc), None where that is unknown."""
+    """Seconds since this process started (Linux: /proc), None where that is unknown.
+
+    At most the true age: the kernel truncates both the start (to a clock tick) and the
+    uptime (to 10 ms), so the start is taken one tick later than the one it reports."""
     try:
         with open("/proc/self/stat") as f:
             # Fields after the command name, which may hold spaces; starttime is field 22.
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+        return max(0.0, uptime - (start_ticks + 1) / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
 

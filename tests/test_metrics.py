@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -224,3 +227,17 @@ async def test_rpc_status_of_real_grpc_endings():
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED,
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_process_age_never_reaches_back_before_the_process_was_started():
+    """Time to ready counts from process_age(): the start it implies is never earlier than
+    the moment the process was spawned (the kernel's clocks are coarse: 10 ms)."""
+    probe = "import time; from service.metrics import process_age; print(process_age(), time.monotonic())"
+    for _ in range(5):
+        spawned = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+        )
+        age, now = map(float, out.stdout.split())
+        assert now - age >= spawned
