@@ -312,7 +312,7 @@ class LLMEngine:
                 params.append(request.params)
                 seeds.append(seq.seed)
                 counters.append(sampled_before)
-                banned.append(self._banned_ids(request.params, sampled_before))
+                banned.append(request.params.banned_ids(sampled_before, self.eos_token_ids))
         allowed = None
         if any(seq.token_mask is not None for seq, _, _ in samplers):
             words = -(-self.model_config.vocab_size // 32)
@@ -337,15 +337,6 @@ class LLMEngine:
         )
         return plan, samplers
 
-    def _banned_ids(self, params: SamplingParams, num_sampled: int) -> list[int]:
-        """Ids a row may not pick: EOS and the stop ids while below min_tokens."""
-        if num_sampled >= params.min_tokens:
-            return []
-        banned = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned.extend(self.eos_token_ids)
-        return banned
-
     def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
         """Wait for a launched step and turn its results into events."""
         try:
@@ -355,13 +346,7 @@ class LLMEngine:
 
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
-            request = chunk.seq.request
-            if request.prompt_logprobs is None:
-                request.prompt_logprobs = [None]  # the first prompt token has no logprob
-            # lps[j] is for prompt position chunk.start + 1 + j; a prefill recomputed after
-            # preemption covers positions that already have theirs.
-            done = len(request.prompt_logprobs)
-            request.prompt_logprobs.extend(lps[done - (chunk.start + 1) :])
+            chunk.seq.request.add_prompt_logprobs(chunk.start + 1, lps)
 
         events = []
         row = 0

@@ -99,6 +99,13 @@ class Request:
             return False
         return self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
 
+    def add_prompt_logprobs(self, first_position: int, logprobs: list[TokenLogprob]) -> None:
+        """Logprobs of the prompt tokens from first_position on. A prefill recomputed after
+        preemption covers positions that already have theirs."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
+        self.prompt_logprobs.extend(logprobs[len(self.prompt_logprobs) - first_position :])
+
 
 @dataclass(eq=False)
 class Sequence:

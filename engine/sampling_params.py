@@ -56,6 +56,13 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    def banned_ids(self, num_sampled: int, eos_token_ids: frozenset[int]) -> list[int]:
+        """Ids the next token may not be, num_sampled tokens in: EOS and the stop ids while
+        below min_tokens."""
+        if num_sampled >= self.min_tokens:
+            return []
+        return [*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)]
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first invalid field and its allowed range."""
         _check_int("n", self.n, low=1, high=MAX_N)
