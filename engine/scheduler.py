@@ -12,11 +12,10 @@ Each step the scheduler picks, in this order, until the token budget
 A sequence admitted takes a slot of the persistent batch (engine/batch.py) and gives it
 back when it is preempted or removed; there are max_num_seqs slots.
 
-A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
-latest-arrived running sequence not yet scheduled this step (preemption by
-recompute: its blocks are freed and it waits to be prefilled again). Every
-sequence fits the pool on its own (the engine checks at admission), so the
-highest-priority sequence can always make progress: no deadlock, no OOM.
+A chunk that needs KV blocks the pool does not have preempts the lowest-priority, latest-arrived
+running sequence not yet scheduled this step (preemption by recompute: its blocks are freed and
+it waits to be prefilled again). Every sequence fits the pool on its own (the engine checks at
+admission), so the highest-priority sequence can always make progress: no deadlock, no OOM.
 """
 
 from __future__ import annotations

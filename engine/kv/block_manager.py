@@ -162,7 +162,7 @@ class BlockManager:
             table.last_hash = block_hash
 
     def free(self, table: BlockTable) -> None:
-        """Drop all the table's references, those to its registered blocks included."""
+        """Drop all the table's references, registered blocks included (tail first: see shrink)."""
         table.num_hashed_blocks, table.last_hash = 0, None
         self.shrink(table, 0)
 
