@@ -3,8 +3,7 @@
 Each step the scheduler picks, in this order, until the token budget
 (max_num_batched_tokens) or the sequence cap (max_num_seqs) runs out:
 
-  1. running decodes (one token each, or one and its proposed tokens), highest priority
-     first;
+  1. running decodes (one token each, or one and its proposed tokens), highest priority first;
   2. running prefills that were chunked in an earlier step;
   3. waiting sequences (new or preempted), highest priority first, FCFS among equals,
      starting from their longest cached prefix; a request's later candidates once its
@@ -13,11 +12,10 @@ Each step the scheduler picks, in this order, until the token budget
 A sequence admitted takes a slot of the persistent batch (engine/batch.py) and gives it
 back when it is preempted or removed; there are max_num_seqs slots.
 
-A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
-latest-arrived running sequence not yet scheduled this step (preemption by
-recompute: its blocks are freed and it waits to be prefilled again). Every
-sequence fits the pool on its own (the engine checks at admission), so the
-highest-priority sequence can always make progress: no deadlock, no OOM.
+A chunk that needs KV blocks the pool does not have preempts the lowest-priority, latest-arrived
+running sequence not yet scheduled this step (preemption by recompute: its blocks are freed and
+it waits to be prefilled again). Every sequence fits the pool on its own (the engine checks at
+admission), so the highest-priority sequence can always make progress: no deadlock, no OOM.
 """
 
 from __future__ import annotations
@@ -76,10 +74,11 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out for good (finished, cancelled, failed) and return its blocks."""
+        """Take a sequence out (finished, cancelled, failed, or preempted); return its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._release_slot(seq)
+            self.slots.release(seq.slot)
+            seq.slot = None
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
@@ -88,34 +87,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
 
         # A sequence whose last token is still in flight may already have all it will get.
-        decodes: list[Sequence] = []
-        prefills: list[Sequence] = []
-        for seq in self.running:
-            if seq.has_all_tokens:
-                continue
-            uncomputed = seq.num_uncomputed_tokens
-            if uncomputed == 1:
-                decodes.append(seq)
-            elif uncomputed > 1:
-                prefills.append(seq)
-        for seq in decodes + prefills:
+        active = [s for s in self.running if s.num_uncomputed_tokens > 0 and not s.has_all_tokens]
+        active.sort(key=lambda s: s.num_uncomputed_tokens > 1)  # decodes first, stable
+        for seq in active:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = seq.num_uncomputed_tokens
             n = min(n + len(seq.proposed) if n == 1 else n, budget)
-            if not self._allocate_or_preempt(seq, n, scheduled, out):
-                continue
-            self.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
-            out.chunks.append(
-                ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            )
-            scheduled.add(id(seq))
-            budget -= n
+            if self._allocate_or_preempt(seq, n, out):
+                self.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
+                start = seq.num_computed_tokens
+                out.chunks.append(ScheduledChunk(seq, start, start + n))
+                budget -= n
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
         for seq in list(self.waiting):
@@ -125,67 +112,46 @@ class Scheduler:
                 continue
             if not seq.block_table.block_ids:
                 self._match_prefix(seq)
-            n = seq.num_uncomputed_tokens
-            if n > budget:
-                if self.config.enable_chunked_prefill:
-                    n = budget
-                elif out.chunks:  # unchunked prompts run whole: wait for an emptier step,
-                    self._unmatch_prefix(seq)  # holding no cached blocks the running may need
-                    break
-            if not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
-                self._unmatch_prefix(seq)
+            start, n = seq.num_computed_tokens, seq.num_uncomputed_tokens
+            if n > budget and self.config.enable_chunked_prefill:
+                n = budget
+            needs_empty_step = n > budget and not out.is_empty  # an unchunked prompt runs whole
+            if needs_empty_step or not self.block_manager.allocate(seq.block_table, start + n):
+                # It waits holding no cached blocks: the running may need them.
+                self.block_manager.free(seq.block_table)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             assert len(seq.token_ids) == seq.num_tokens, "placed with tokens still in flight"
             seq.slot = self.slots.place(seq.token_ids, seq.block_table.block_ids)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            out.chunks.append(
-                ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            )
-            scheduled.add(id(seq))
-            budget -= min(n, budget)
+            out.chunks.append(ScheduledChunk(seq, start, start + n))
+            budget -= min(n, budget)  # an unchunked prompt may take more than is left
         return out
 
-    def _allocate_or_preempt(
-        self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput
-    ) -> bool:
-        """Find blocks for seq's next n tokens, preempting others if needed.
-
-        Returns False if seq itself had to be preempted (nothing else could give way).
-        """
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Find blocks for seq's next n tokens, preempting others if needed. False if seq itself
+        had to be preempted (nothing else could give way)."""
         while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
-            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
-            victim = victims[-1] if victims else seq
+            spared = {chunk.seq for chunk in out.chunks} | {seq}
+            victim = next((s for s in reversed(self.running) if s not in spared), seq)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        self._release_slot(seq)
-        self.block_manager.free(seq.block_table)
+        self.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)
 
-    def _release_slot(self, seq: Sequence) -> None:
-        self.slots.release(seq.slot)
-        seq.slot = None
-
     def _match_prefix(self, seq: Sequence) -> None:
         if seq.index == 0 and seq.request.prompt_logprobs_pending:
             return  # every prompt position's logits are needed: compute them all
-        table, num_cached = self.block_manager.match_prefix(seq.token_ids)
-        seq.block_table = table
-        seq.num_computed_tokens = num_cached
+        seq.block_table, seq.num_computed_tokens = self.block_manager.match_prefix(seq.token_ids)
         if seq.num_preemptions == 0 and seq.index == 0:
-            seq.num_cached_tokens = num_cached
-
-    def _unmatch_prefix(self, seq: Sequence) -> None:
-        """Give back prefix-cache references taken by a sequence that could not be admitted."""
-        self.block_manager.free(seq.block_table)
-        seq.num_computed_tokens = 0
+            seq.num_cached_tokens = seq.num_computed_tokens

@@ -15,7 +15,7 @@ def check_invariants(manager: BlockManager) -> None:
     assert all(block.ref_count >= 0 for block in manager._blocks), "negative ref count"
     assert not free & used and not free & evictable and not evictable & used
     assert len(free) + len(evictable) + len(used) == manager.num_blocks, "a block is lost"
-    assert len(used) == manager._num_used_blocks
+    assert len(used) == manager.num_used_blocks
     for block_hash, block_id in manager._cached_block_ids.items():
         content = manager._blocks[block_id].content
         assert content is not None and content.block_hash == block_hash

@@ -77,7 +77,6 @@ class BlockManager:
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached_block_ids: dict[int, int] = {}  # chain hash -> published block id
         self._next_prefix_id = itertools.count()
-        self._num_used_blocks = 0
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -88,7 +87,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self._num_used_blocks
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -103,30 +102,22 @@ class BlockManager:
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[BlockTable, int]:
         """Share the longest cached prefix of `token_ids`; return the new table and its length.
-
-        Never covers the last token: its logits are needed, so it must be computed.
-        """
+        Never the last token: its logits are needed, so it must be computed."""
         self.prefix_cache_stats.queried_tokens += len(token_ids)
         table = BlockTable()
-        if not self.enable_prefix_caching:
-            return table, 0
-        parent_prefix_id = None
-        for index in range((len(token_ids) - 1) // self.block_size):
-            start = index * self.block_size
-            chunk = tuple(token_ids[start : start + self.block_size])
-            block_hash = hash_block(table.last_hash, chunk)
-            block_id = self._cached_block_ids.get(block_hash)
-            if block_id is None:
+        num_blocks = (len(token_ids) - 1) // self.block_size if self.enable_prefix_caching else 0
+        while table.num_hashed_blocks < num_blocks:
+            block_hash, chunk, parent_prefix_id = self._next_full_block(table, token_ids)
+            if self._cached_content(block_hash, chunk, parent_prefix_id) is None:
                 break
-            content = self._blocks[block_id].content
-            assert content is not None
-            if content.token_ids != chunk or content.parent_prefix_id != parent_prefix_id:
-                break  # a hash collision: this block holds other KV
-            self._take_reference(block_id)
+            block_id = self._cached_block_ids[block_hash]
+            block = self._blocks[block_id]
+            if block.ref_count == 0:
+                del self._evictable_block_ids[block_id]  # revived from the cache
+            block.ref_count += 1
             table.block_ids.append(block_id)
             table.num_hashed_blocks += 1
             table.last_hash = block_hash
-            parent_prefix_id = content.prefix_id
         num_cached_tokens = len(table.block_ids) * self.block_size
         self.prefix_cache_stats.hit_tokens += num_cached_tokens
         return table, num_cached_tokens
@@ -137,7 +128,14 @@ class BlockManager:
         if num_needed > self.num_free_blocks:
             return False
         for _ in range(num_needed):
-            table.block_ids.append(self._take_unused_block())
+            if self._free_block_ids:
+                block_id = self._free_block_ids.popleft()
+            else:  # evict the least recently freed cached block
+                block_id, _ = self._evictable_block_ids.popitem(last=False)
+                del self._cached_block_ids[self._blocks[block_id].content.block_hash]
+                self._blocks[block_id].content = None
+            self._blocks[block_id].ref_count = 1
+            table.block_ids.append(block_id)
         return True
 
     def register_full_blocks(
@@ -148,113 +146,72 @@ class BlockManager:
             return
         num_full_blocks = num_computed_tokens // self.block_size
         assert num_full_blocks <= len(table.block_ids) and num_computed_tokens <= len(token_ids)
-        for index in range(table.num_hashed_blocks, num_full_blocks):
-            start = index * self.block_size
-            chunk = tuple(token_ids[start : start + self.block_size])
-            block_hash = hash_block(table.last_hash, chunk)
-            block_id = table.block_ids[index]
-            assert self._blocks[block_id].content is None, "registering a block twice"
-            parent_prefix_id = (
-                self._content_of(table.block_ids[index - 1]).prefix_id if index > 0 else None
-            )
-            self._register(block_id, block_hash, chunk, parent_prefix_id)
-            table.num_hashed_blocks = index + 1
+        while table.num_hashed_blocks < num_full_blocks:
+            block_hash, chunk, parent_prefix_id = self._next_full_block(table, token_ids)
+            block_id = table.block_ids[table.num_hashed_blocks]
+            block = self._blocks[block_id]
+            assert block.content is None, "registering a block twice"
+            # An equal block already published makes ours a duplicate: it stays unpublished (as
+            # does one whose hash collides with other content), but it names the same prefix,
+            # so blocks after it chain on the cached one.
+            cached = self._cached_content(block_hash, chunk, parent_prefix_id)
+            prefix_id = cached.prefix_id if cached else next(self._next_prefix_id)
+            block.content = BlockContent(block_hash, chunk, prefix_id, parent_prefix_id)
+            self._cached_block_ids.setdefault(block_hash, block_id)
+            table.num_hashed_blocks += 1
             table.last_hash = block_hash
 
     def free(self, table: BlockTable) -> None:
-        """Drop the table's references, tail first so its tail blocks are evicted first."""
-        self._release(reversed(table.block_ids))
-        table.block_ids.clear()
-        table.num_hashed_blocks = 0
-        table.last_hash = None
+        """Drop all the table's references, registered blocks included (tail first: see shrink)."""
+        table.num_hashed_blocks, table.last_hash = 0, None
+        self.shrink(table, 0)
 
     def shrink(self, table: BlockTable, num_tokens: int) -> None:
-        """Give back the blocks past the first num_tokens tokens (tokens rolled back: they
-        were never registered, so no other table shares these blocks)."""
+        """Drop the references past the first num_tokens tokens, tail first so that the tail
+        is evicted first; never into registered blocks (tokens rolled back never were)."""
         keep = -(-num_tokens // self.block_size)
         assert keep >= table.num_hashed_blocks, "shrinking into registered blocks"
-        self._release(reversed(table.block_ids[keep:]))
-        del table.block_ids[keep:]
-
-    def _release(self, block_ids) -> None:  # noqa: ANN001 - an iterable of block ids
-        for block_id in block_ids:
+        for block_id in reversed(table.block_ids[keep:]):
             block = self._blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed more often than taken"
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
-            self._num_used_blocks -= 1
             if self._is_published(block_id):
                 self._evictable_block_ids[block_id] = None
             else:
                 block.content = None
                 self._free_block_ids.append(block_id)
+        del table.block_ids[keep:]
 
     def reset(self) -> None:
         """Back to as built: every block free, the prefix cache empty, the stats zero. Only
         when no table holds a block (after a warm-up, say); the KV values stay, unread."""
-        assert self._num_used_blocks == 0, f"{self._num_used_blocks} blocks are still held"
-        for block_id in self._evictable_block_ids:  # only cached blocks keep content when free
-            self._blocks[block_id].content = None
-        self._free_block_ids = deque(range(self.num_blocks))
-        self._evictable_block_ids.clear()
-        self._cached_block_ids.clear()
-        self._next_prefix_id = itertools.count()
-        self.prefix_cache_stats = PrefixCacheStats()
+        assert self.num_used_blocks == 0, f"{self.num_used_blocks} blocks are still held"
+        self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching)
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _take_reference(self, block_id: int) -> None:
-        block = self._blocks[block_id]
-        if block.ref_count == 0:
-            del self._evictable_block_ids[block_id]  # revived from the cache
-            self._num_used_blocks += 1
-        block.ref_count += 1
+    def _next_full_block(
+        self, table: BlockTable, token_ids: Sequence[int]
+    ) -> tuple[int, tuple[int, ...], int | None]:
+        """Chain hash, tokens and parent prefix id of the block after the table's hashed ones."""
+        index = table.num_hashed_blocks
+        chunk = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+        parent = self._blocks[table.block_ids[index - 1]].content if index > 0 else None
+        parent_prefix_id = parent.prefix_id if parent else None
+        return hash_block(table.last_hash, chunk), chunk, parent_prefix_id
 
-    def _take_unused_block(self) -> int:
-        """A block with no references: a free one, else the least recently freed cached one."""
-        if self._free_block_ids:
-            block_id = self._free_block_ids.popleft()
-        else:
-            block_id, _ = self._evictable_block_ids.popitem(last=False)
-            block = self._blocks[block_id]
-            assert block.content is not None
-            del self._cached_block_ids[block.content.block_hash]
-            block.content = None
-        self._blocks[block_id].ref_count = 1
-        self._num_used_blocks += 1
-        return block_id
-
-    def _register(
-        self,
-        block_id: int,
-        block_hash: int,
-        token_ids: tuple[int, ...],
-        parent_prefix_id: int | None,
-    ) -> None:
-        cached_id = self._cached_block_ids.get(block_hash)
-        cached = self._blocks[cached_id].content if cached_id is not None else None
-        if (
-            cached is not None
-            and cached.token_ids == token_ids
-            and cached.parent_prefix_id == parent_prefix_id
-        ):
-            # An equal block is already published: ours is a duplicate and stays unpublished,
-            # but it names the same prefix so blocks after it chain on the cached one.
-            prefix_id = cached.prefix_id
-        else:
-            prefix_id = next(self._next_prefix_id)
-        self._blocks[block_id].content = BlockContent(
-            block_hash, token_ids, prefix_id, parent_prefix_id
-        )
-        if cached_id is None:
-            self._cached_block_ids[block_hash] = block_id
-        # else: a duplicate, or a collision with other content; the hash slot is taken either way.
-
-    def _content_of(self, block_id: int) -> BlockContent:
+    def _cached_content(
+        self, block_hash: int, token_ids: tuple[int, ...], parent_prefix_id: int | None
+    ) -> BlockContent | None:
+        """The published content under `block_hash` if it is exactly this KV (hashes collide)."""
+        block_id = self._cached_block_ids.get(block_hash)
+        if block_id is None:
+            return None
         content = self._blocks[block_id].content
-        assert content is not None, f"block {block_id} is not registered"
-        return content
+        same = content.token_ids == token_ids and content.parent_prefix_id == parent_prefix_id
+        return content if same else None
 
     def _is_published(self, block_id: int) -> bool:
         content = self._blocks[block_id].content
