@@ -174,7 +174,7 @@ class ModelRunner:
         targets = rows.sample_slots * self.token_width + rows.sample_ends
         host = [*plan.changes.arrays(), targets, *rows.uploads, *history, *plan.sampling.arrays()]
         uploaded = upload(host, self.device)
-        self.batch.apply(*uploaded[:4])
+        self.batch.apply(uploaded[:4])
         targets_d, token_inputs = uploaded[4:6]
         rest = uploaded[5 + len(rows.uploads) :]
         if graph:  # the graph reads its inputs from the tables itself
@@ -197,12 +197,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions_d, self.kv_caches, meta)
 
         seen_ids = output_ids = None
-        if history:
-            slots_h, starts_h, ends_h = rest[:3]
-            rest = rest[3:]
+        if history:  # the penalty rows' whole histories, and their outputs alone
             width, pad = int(history[2].max()), self.config.vocab_size
-            seen_ids = self.batch.history(slots_h, torch.zeros_like(starts_h), ends_h, width, pad)
-            output_ids = self.batch.history(slots_h, starts_h, ends_h, width, pad)
+            seen_ids, output_ids = self.batch.history(*rest[:3], width, pad)
+            rest = rest[3:]
         tensors = plan.sampling.on_device(rest, seen_ids, output_ids)
 
         num_samples = len(targets)
