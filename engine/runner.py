@@ -67,10 +67,7 @@ class LaunchedStep:
 
 
 _TORCH_DTYPES = {
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.bool_): torch.bool,
+    np.dtype(name): getattr(torch, name) for name in ("int32", "int64", "float32", "bool")
 }
 
 
@@ -254,10 +251,8 @@ class ModelRunner:
         token_inputs[1, :batch] = plan.seq_lens - 1
         seq_lens = np.ones(size, dtype=np.int32)
         seq_lens[:batch] = plan.seq_lens
-        slots = token_inputs[0].astype(np.int32)
-        return _StepRows(
-            [token_inputs], slots, seq_lens, token_inputs[0, :batch], plan.seq_lens, {}
-        )
+        slots, sample_slots = token_inputs[0].astype(np.int32), token_inputs[0, :batch]
+        return _StepRows([token_inputs], slots, seq_lens, sample_slots, plan.seq_lens, {})
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step and read its results back."""
@@ -295,8 +290,7 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, tensors: SamplingTensors, targets: torch.Tensor
     ) -> LaunchedStep:
-        """Queue the sampling, the tokens' writes into the token table and their copies to
-        the host."""
+        """Queue the sampling, the tokens' writes into the token table and their host copies."""
         counts = tensors.rows.logprob_counts
         if not counts:
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})

@@ -108,10 +108,7 @@ class SamplingRows:
         return [a for a in (getattr(self, name) for name in _UPLOADED) if a is not None]
 
     def on_device(
-        self,
-        uploaded: list[torch.Tensor],
-        seen_ids: torch.Tensor | None = None,
-        output_ids: torch.Tensor | None = None,
+        self, uploaded: list[torch.Tensor], seen: torch.Tensor | None, output: torch.Tensor | None
     ) -> SamplingTensors:
         """The tensors, from arrays() uploaded, and the penalty rows' token histories."""
         tensors = iter(uploaded)
@@ -119,8 +116,8 @@ class SamplingRows:
         return SamplingTensors(
             self,
             **moved,
-            seen_token_ids=seen_ids if self.uses_repetition else None,
-            output_token_ids=output_ids if self.uses_counts else None,
+            seen_token_ids=seen if self.uses_repetition else None,
+            output_token_ids=output if self.uses_counts else None,
         )
 
 
@@ -143,8 +140,7 @@ class SamplingTensors:
     output_token_ids: torch.Tensor | None  # output, for presence / frequency
 
     def column(self, name: str) -> torch.Tensor:
-        """One of _ROW_NUMBERS, per row: temperature is 1.0 on greedy rows (dividing is
-        harmless), top_k is vocab_size where top-k is off."""
+        """One of _ROW_NUMBERS, per row, as _row_numbers makes them."""
         return self.numbers[_ROW_NUMBERS.index(name)]
 
 
