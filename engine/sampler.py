@@ -241,8 +241,7 @@ def _penalise_and_ban(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
     vocab = t.rows.vocab_size
     if t.penalty_rows is not None:
-        rows = t.penalty_rows
-        logits = logits.index_copy(0, rows, _apply_penalties(logits[rows], t))
+        logits = logits.index_copy(0, t.penalty_rows, _apply_penalties(logits[t.penalty_rows], t))
     if t.banned_ids is not None:
         logits = logits.masked_fill(_scatter_count(t.banned_ids, vocab) > 0, float("-inf"))
     if t.allowed is not None:
