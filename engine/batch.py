@@ -103,14 +103,9 @@ class DeviceBatch:
         self.token_ids = torch.zeros(num_slots + 1, token_width, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(num_slots + 1, block_width, dtype=torch.int32, device=device)
 
-    def apply(
-        self,
-        token_index: torch.Tensor,
-        token_ids: torch.Tensor,
-        block_index: torch.Tensor,
-        block_ids: torch.Tensor,
-    ) -> None:
-        """Write a step's BatchChanges (their arrays, on the device)."""
+    def apply(self, changes: list[torch.Tensor]) -> None:
+        """Write a step's BatchChanges (its arrays(), on the device)."""
+        token_index, token_ids, block_index, block_ids = changes
         if token_index.numel():  # most steps change nothing: no launch then
             self.token_ids.view(-1).index_copy_(0, token_index, token_ids)
         if block_index.numel():
@@ -136,19 +131,14 @@ class DeviceBatch:
         self.token_ids.view(-1).index_copy_(0, token_index, token_ids.to(torch.int32))
 
     def history(
-        self,
-        slots: torch.Tensor,
-        starts: torch.Tensor,
-        ends: torch.Tensor,
-        width: int,
-        pad: int,
-    ) -> torch.Tensor:
-        """int64 [R, width]: row r holds slot r's tokens at positions [starts[r], ends[r])
-        and the pad id elsewhere."""
+        self, slots: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, width: int, pad: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 [R, width] twice, padded with the pad id: row r holds slot r's tokens at
+        positions [0, ends[r]), then only those at [starts[r], ends[r])."""
         ids = self.token_ids[slots, :width].long()
         positions = torch.arange(width, device=ids.device)
-        inside = (positions >= starts[:, None]) & (positions < ends[:, None])
-        return ids.masked_fill(~inside, pad)
+        whole = ids.masked_fill(positions >= ends[:, None], pad)
+        return whole, whole.masked_fill(positions < starts[:, None], pad)
 
 
 def step_inputs_torch(

@@ -67,10 +67,7 @@ class LaunchedStep:
 
 
 _TORCH_DTYPES = {
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.bool_): torch.bool,
+    np.dtype(name): getattr(torch, name) for name in ("int32", "int64", "float32", "bool")
 }
 
 
@@ -89,9 +86,8 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     staging_bytes = staging.numpy()
     for a, offset in zip(arrays, offsets, strict=True):
-        staging_bytes[offset : offset + a.nbytes] = (
-            np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        )
+        part = np.ascontiguousarray(a).reshape(-1)
+        staging_bytes[offset : offset + a.nbytes] = part.view(np.uint8)
     on_device = staging.to(device, non_blocking=True)
     return [
         on_device[offset : offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
@@ -108,7 +104,9 @@ class _StepRows:
     seq_lens: np.ndarray  # int32, the same
     sample_slots: np.ndarray  # int64, per sampled row
     sample_ends: np.ndarray  # the position each sampled token goes to
-    spans: dict[int, tuple[int, int]]  # sequence -> its prompt-predicting rows (first, count)
+    # sequence -> where in the token table the prompt tokens its chunk's rows predict start,
+    # and how many (their logits follow the sampled rows', in this order)
+    spans: dict[int, tuple[int, int]]
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -170,15 +168,17 @@ class ModelRunner:
         """Queue a step's work on the device; collect() waits for it and reads it back."""
         graph = self._replayable(plan)
         rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
-        history = self._penalty_history(plan, rows.sample_slots, rows.sample_ends)
+        history = self._penalty_history(plan, rows)
         targets = rows.sample_slots * self.token_width + rows.sample_ends
         host = [*plan.changes.arrays(), targets, *rows.uploads, *history, *plan.sampling.arrays()]
         uploaded = upload(host, self.device)
-        self.batch.apply(*uploaded[:4])
+        self.batch.apply(uploaded[:4])
         targets_d, token_inputs = uploaded[4:6]
         rest = uploaded[5 + len(rows.uploads) :]
+        num_samples = len(targets)
         if graph:  # the graph reads its inputs from the tables itself
             hidden = self.graphs.run(token_inputs, rows.slots, rows.seq_lens)
+            hidden = hidden[:num_samples]  # one sample per sequence, in order: no gather
         else:
             query_starts_d, seq_lens_d, logit_rows_d = uploaded[6:9]
             row_slots_d, positions_d = token_inputs
@@ -194,34 +194,29 @@ class ModelRunner:
                 block_size=self.block_size,
             )
             self.attn.plan(meta)
-            hidden = self.model(input_ids, positions_d, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions_d, self.kv_caches, meta)[logit_rows_d]
 
         seen_ids = output_ids = None
-        if history:
-            slots_h, starts_h, ends_h = rest[:3]
-            rest = rest[3:]
+        if history:  # the penalty rows' whole histories, and their outputs alone
             width, pad = int(history[2].max()), self.config.vocab_size
-            seen_ids = self.batch.history(slots_h, torch.zeros_like(starts_h), ends_h, width, pad)
-            output_ids = self.batch.history(slots_h, starts_h, ends_h, width, pad)
+            seen_ids, output_ids = self.batch.history(*rest[:3], width, pad)
+            rest = rest[3:]
         tensors = plan.sampling.on_device(rest, seen_ids, output_ids)
 
-        num_samples = len(targets)
-        if graph:  # one sample per sequence, in order: the first rows, no gather
-            logits = self.model.compute_logits(hidden[:num_samples])
-        elif len(logit_rows_d):
-            logits = self.model.compute_logits(hidden[logit_rows_d])
-        else:  # every chunk is a middle piece of a prefill: nothing to read
+        if not len(hidden):  # every chunk is a middle piece of a prefill: nothing to read
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
-        launched = self._sample(logits[:num_samples], tensors, plan, targets_d)
+        logits = self.model.compute_logits(hidden)
+        launched = self._sample(logits[:num_samples], tensors, targets_d)
         offset = num_samples
-        for i, (_, count) in rows.spans.items():
+        for i, (first, count) in rows.spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).
-            start = int(plan.slots[i]) * self.token_width + int(
-                plan.seq_lens[i] - plan.query_lens[i]
-            )
-            targets = self.batch.token_ids.view(-1)[start + 1 : start + 1 + count].long()
-            lps = prompt_logprobs(logits[offset : offset + count], targets, plan.prompt_logprobs[i])
-            launched.prompt_logprobs[i] = _to_token_logprobs(*lps, targets.tolist())
+            ids = self.batch.token_ids.view(-1)[first : first + count].long()
+            found = prompt_logprobs(logits[offset : offset + count], ids, plan.prompt_logprobs[i])
+            chosen, top_ids, top_lps = (t.tolist() for t in found)
+            launched.prompt_logprobs[i] = [
+                TokenLogprob(token, logprob, list(zip(top, top_values)))
+                for token, logprob, top, top_values in zip(ids.tolist(), chosen, top_ids, top_lps)
+            ]
             offset += count
         return launched
 
@@ -234,17 +229,16 @@ class ModelRunner:
         row_slots = np.repeat(plan.slots.astype(np.int64), plan.query_lens)
         positions = _ranges(plan.seq_lens - plan.query_lens, plan.query_lens)
         sampled = _ranges(query_starts[1:] - plan.num_samples, plan.num_samples)
-        spans = {i: self._prompt_span(plan, i, int(query_starts[i])) for i in plan.prompt_logprobs}
-        logit_rows = np.concatenate([sampled, *(np.arange(a, a + n) for a, n in spans.values())])
+        spans, prompt_rows = {}, [sampled]
+        for i in plan.prompt_logprobs:  # the rows whose logits predict a *prompt* token
+            start = int(plan.seq_lens[i] - plan.query_lens[i])
+            count = max(0, min(int(plan.seq_lens[i]), int(plan.num_prompt_tokens[i]) - 1) - start)
+            spans[i] = (int(plan.slots[i]) * self.token_width + start + 1, count)
+            prompt_rows.append(np.arange(query_starts[i], query_starts[i] + count))
+        logit_rows = np.concatenate(prompt_rows)
         uploads = [np.stack([row_slots, positions]), query_starts, plan.seq_lens, logit_rows]
-        return _StepRows(
-            uploads,
-            plan.slots,
-            plan.seq_lens,
-            row_slots[sampled],
-            positions[sampled] + 1,
-            spans,
-        )
+        sample_slots, sample_ends = row_slots[sampled], positions[sampled] + 1
+        return _StepRows(uploads, plan.slots, plan.seq_lens, sample_slots, sample_ends, spans)
 
     def _graph_rows(self, plan: StepPlan) -> _StepRows:
         """A pure decode step padded to its graph's batch size with rows of the padding
@@ -257,10 +251,8 @@ class ModelRunner:
         token_inputs[1, :batch] = plan.seq_lens - 1
         seq_lens = np.ones(size, dtype=np.int32)
         seq_lens[:batch] = plan.seq_lens
-        slots = token_inputs[0].astype(np.int32)
-        return _StepRows(
-            [token_inputs], slots, seq_lens, token_inputs[0, :batch], plan.seq_lens, {}
-        )
+        slots, sample_slots = token_inputs[0].astype(np.int32), token_inputs[0, :batch]
+        return _StepRows([token_inputs], slots, seq_lens, sample_slots, plan.seq_lens, {})
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step and read its results back."""
@@ -274,24 +266,15 @@ class ModelRunner:
             logprobs.append(TokenLogprob(token_ids[i], chosen[i], top) if k is not None else None)
         return StepOutput(token_ids, logprobs, launched.prompt_logprobs)
 
-    @staticmethod
-    def _prompt_span(plan: StepPlan, i: int, first_row: int) -> tuple[int, int]:
-        """Rows of sequence i's chunk whose logits predict the next *prompt* token."""
-        start = int(plan.seq_lens[i] - plan.query_lens[i])
-        last_predicting = min(int(plan.seq_lens[i]), int(plan.num_prompt_tokens[i]) - 1)
-        return first_row, max(0, last_predicting - start)
-
-    def _penalty_history(
-        self, plan: StepPlan, sample_slots: np.ndarray, sample_ends: np.ndarray
-    ) -> list[np.ndarray]:
+    def _penalty_history(self, plan: StepPlan, rows: _StepRows) -> list[np.ndarray]:
         """Where the penalty rows' token histories are: their slots, the start of their
         output and the position they predict (their history ends before it)."""
-        rows = plan.sampling.penalty_rows
-        if rows is None:
+        penalised = plan.sampling.penalty_rows
+        if penalised is None:
             return []
-        owners = np.repeat(np.arange(len(plan.slots)), plan.num_samples)[rows]
+        owners = np.repeat(np.arange(len(plan.slots)), plan.num_samples)[penalised]
         starts = plan.num_prompt_tokens[owners].astype(np.int64)
-        return [sample_slots[rows], starts, sample_ends[rows]]
+        return [rows.sample_slots[penalised], starts, rows.sample_ends[penalised]]
 
     def _replayable(self, plan: StepPlan) -> bool:
         """A CUDA graph can run the step: pure decode, every sequence sampling its next
@@ -305,15 +288,10 @@ class ModelRunner:
         )
 
     def _sample(
-        self,
-        logits: torch.Tensor,
-        tensors: SamplingTensors,
-        plan: StepPlan,
-        targets: torch.Tensor,
+        self, logits: torch.Tensor, tensors: SamplingTensors, targets: torch.Tensor
     ) -> LaunchedStep:
-        """Queue the sampling, the tokens' writes into the token table and their copies to
-        the host."""
-        counts = plan.sampling.logprob_counts
+        """Queue the sampling, the tokens' writes into the token table and their host copies."""
+        counts = tensors.rows.logprob_counts
         if not counts:
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
         out = self.sampler(logits, tensors)
@@ -325,18 +303,9 @@ class ModelRunner:
                 top_ids = out.token_ids.new_empty((len(counts), 0))
                 top_lps = out.logprobs.new_empty((len(counts), 0))
             outputs += [out.logprobs, top_ids, top_lps]
-        if self.device.type == "cpu":
-            return LaunchedStep(counts, outputs, None, {})
-        host_outputs = [t.to("cpu", non_blocking=True) for t in outputs]  # lands in pinned memory
-        copied = torch.cuda.Event()
-        copied.record()
-        return LaunchedStep(counts, host_outputs, copied, {})
-
-
-def _to_token_logprobs(
-    chosen: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor, targets: list[int]
-) -> list[TokenLogprob]:
-    chosen_l, ids_l, lps_l = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
-    return [
-        TokenLogprob(t, chosen_l[j], list(zip(ids_l[j], lps_l[j]))) for j, t in enumerate(targets)
-    ]
+        copied = None
+        if self.device.type != "cpu":
+            outputs = [t.to("cpu", non_blocking=True) for t in outputs]  # lands in pinned memory
+            copied = torch.cuda.Event()
+            copied.record()
+        return LaunchedStep(counts, outputs, copied, {})

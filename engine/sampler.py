@@ -28,17 +28,12 @@ from engine.sampling_params import SamplingParams
 _PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 x vocab
 
 
-# The per-row numbers of a sampled row, in _row_numbers' order.
-_ROW_NUMBERS = (
-    "temperature",
-    "greedy",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
+# A sampled row's numbers, in this order after the greedy flag _row_numbers puts first.
+_ROW_NUMBERS = ("temperature", "top_k", "top_p", "min_p")
+_ROW_NUMBERS += ("repetition_penalty", "presence_penalty", "frequency_penalty")
+# The arrays a SamplingRows uploads, in this order where they are not None, and the names
+# its SamplingTensors gives them on the device.
+_UPLOADED = ("numbers", "greedy", "seeds", "counters", "banned_ids", "allowed", "penalty_rows")
 
 
 @dataclass
@@ -48,7 +43,7 @@ class SamplingRows:
     logprobs; all greedy) are made here, so the device never has to report back."""
 
     numbers: np.ndarray  # float32 [len(_ROW_NUMBERS), R]
-    greedy: np.ndarray  # bool [R]: the greedy column, as the race kernel reads it
+    greedy: np.ndarray  # bool [R]
     seeds: np.ndarray  # int64 [R]
     counters: np.ndarray  # int64 [R]: output tokens sampled before this one
     # int64 [R, N], padded with vocab_size: ids a row may not pick (EOS and stop ids while
@@ -80,15 +75,19 @@ class SamplingRows:
         # One row of numbers per row, one table for the batch: a single pass over the params
         # (this runs every step, on the host, for every running sequence).
         table = np.array([_row_numbers(p, vocab_size) for p in params], dtype=np.float32)
-        table = np.ascontiguousarray(table.reshape(len(params), len(_ROW_NUMBERS)).T)
-        column = dict(zip(_ROW_NUMBERS, table, strict=True))
+        table = table.reshape(len(params), 1 + len(_ROW_NUMBERS))
+        greedy = table[:, 0] != 0.0
+        numbers = np.ascontiguousarray(table[:, 1:].T)
+        column = dict(zip(_ROW_NUMBERS, numbers, strict=True))
         repetition = column["repetition_penalty"] != 1.0
         counts = (column["presence_penalty"] != 0.0) | (column["frequency_penalty"] != 0.0)
         penalised = np.flatnonzero(repetition | counts)
-        is_greedy = column["greedy"] != 0.0
+        # Greedy rows ignore the filters (_row_numbers turns theirs off), so a filtered
+        # batch leaves their logits as they are and their argmax is the plain one.
+        filters = (column["top_k"] < vocab_size) | (column["top_p"] < 1.0) | (column["min_p"] > 0.0)
         return cls(
-            numbers=table,
-            greedy=is_greedy,
+            numbers=numbers,
+            greedy=greedy,
             seeds=np.asarray(seeds, dtype=np.int64),
             counters=np.asarray(counters, dtype=np.int64),
             banned_ids=_padded(banned_ids, vocab_size) if any(banned_ids) else None,
@@ -100,86 +99,59 @@ class SamplingRows:
             uses_counts=bool(counts.any()),
             needs_logprobs=any(p.logprobs is not None for p in params),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            all_greedy=bool(is_greedy.all()),
-            # Greedy rows ignore the filters (_row_numbers turns theirs off), so a filtered
-            # batch leaves their logits as they are and their argmax is the plain one.
-            needs_filters=bool(
-                (
-                    (column["top_k"] < vocab_size)
-                    | (column["top_p"] < 1.0)
-                    | (column["min_p"] > 0.0)
-                ).any()
-            ),
+            all_greedy=bool(greedy.all()),
+            needs_filters=bool(filters.any()),
         )
 
     def arrays(self) -> list[np.ndarray]:
         """The arrays to upload, in the order on_device() takes them back."""
-        optional = (self.banned_ids, self.allowed, self.penalty_rows)
-        fixed = [self.numbers, self.greedy, self.seeds, self.counters]
-        return [*fixed, *(a for a in optional if a is not None)]
+        return [a for a in (getattr(self, name) for name in _UPLOADED) if a is not None]
 
     def on_device(
-        self,
-        uploaded: list[torch.Tensor],
-        seen_ids: torch.Tensor | None = None,
-        output_ids: torch.Tensor | None = None,
+        self, uploaded: list[torch.Tensor], seen: torch.Tensor | None, output: torch.Tensor | None
     ) -> SamplingTensors:
         """The tensors, from arrays() uploaded, and the penalty rows' token histories."""
-        numbers, is_greedy, seeds, counters, *rest = uploaded
-        optional = iter(rest)
-        banned, allowed, penalty_rows = (
-            next(optional) if a is not None else None
-            for a in (self.banned_ids, self.allowed, self.penalty_rows)
-        )
+        tensors = iter(uploaded)
+        moved = {n: None if getattr(self, n) is None else next(tensors) for n in _UPLOADED}
         return SamplingTensors(
             self,
-            numbers,
-            is_greedy,
-            seeds,
-            counters,
-            banned,
-            allowed,
-            penalty_rows,
-            seen_token_ids=seen_ids if self.uses_repetition else None,
-            output_token_ids=output_ids if self.uses_counts else None,
+            **moved,
+            seen_token_ids=seen if self.uses_repetition else None,
+            output_token_ids=output if self.uses_counts else None,
         )
 
 
 @dataclass
 class SamplingTensors:
-    """The batch's sampling parameters as device tensors, one row per token to sample,
-    beside the host's decisions for the whole batch (rows)."""
+    """The batch's sampling parameters as device tensors (SamplingRows' arrays, named as
+    there), beside the host's decisions for the whole batch (rows)."""
 
     rows: SamplingRows
-    numbers: torch.Tensor  # float32 [len(_ROW_NUMBERS), R]: SamplingRows.numbers
-    is_greedy: torch.Tensor  # bool [R]
-    seeds: torch.Tensor  # int64 [R]
-    counters: torch.Tensor  # int64 [R]: tokens this row has generated so far
-    banned_token_ids: torch.Tensor | None  # int64 [R, N], pad vocab_size
-    allowed: torch.Tensor | None  # int32 [R, ceil(V / 32)]: SamplingRows.allowed
-    # The rows with a penalty, and their token histories: int64 [P, L] padded with the
-    # pad id vocab_size, a scratch column dropped after scattering. None skips the stage.
-    penalty_rows: torch.Tensor | None  # int64 [P]
+    numbers: torch.Tensor
+    greedy: torch.Tensor
+    seeds: torch.Tensor
+    counters: torch.Tensor
+    banned_ids: torch.Tensor | None
+    allowed: torch.Tensor | None
+    penalty_rows: torch.Tensor | None
+    # The penalty rows' token histories: int64 [P, L] padded with the pad id vocab_size, a
+    # scratch column dropped after scattering. None skips the stage.
     seen_token_ids: torch.Tensor | None  # prompt + output, for repetition
     output_token_ids: torch.Tensor | None  # output, for presence / frequency
 
     def column(self, name: str) -> torch.Tensor:
-        """One of _ROW_NUMBERS, per row: temperature is 1.0 on greedy rows (dividing is
-        harmless), top_k is vocab_size where top-k is off."""
+        """One of _ROW_NUMBERS, per row, as _row_numbers makes them."""
         return self.numbers[_ROW_NUMBERS.index(name)]
 
 
 def _row_numbers(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
-    """A row's sampling numbers. A greedy row gets temperature 1.0 (dividing is harmless)
-    and every filter off; top-k off is vocab_size."""
+    """A row's greedy flag (1.0 or 0.0), then its _ROW_NUMBERS. A greedy row gets
+    temperature 1.0 (dividing is harmless) and every filter off; top-k off is vocab_size."""
+    penalties = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
     if p.greedy:
-        return (1.0, 1.0, vocab_size, 1.0, 0.0, *_penalties(p))
+        return (1.0, 1.0, vocab_size, 1.0, 0.0, *penalties)
     top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-    return (p.temperature, 0.0, top_k, p.top_p, p.min_p, *_penalties(p))
-
-
-def _penalties(p: SamplingParams) -> tuple[float, float, float]:
-    return (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+    return (0.0, p.temperature, top_k, p.top_p, p.min_p, *penalties)
 
 
 def _padded(rows: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
@@ -206,7 +178,7 @@ class Sampler:
         rows = t.rows
         assert logits.dim() == 2 and logits.shape[1] == rows.vocab_size, logits.shape
         adjusted = _penalise_and_ban(logits, t)
-        temperature, is_greedy = t.column("temperature"), t.is_greedy
+        temperature = t.column("temperature")
         if rows.all_greedy:
             token_ids = adjusted.argmax(dim=-1)
         elif rows.needs_filters:
@@ -216,9 +188,9 @@ class Sampler:
                 t.column("top_p"),
                 t.column("min_p"),
             )
-            token_ids = exponential_race(scaled, None, is_greedy, t.seeds, t.counters)
+            token_ids = exponential_race(scaled, None, t.greedy, t.seeds, t.counters)
         else:
-            token_ids = exponential_race(adjusted, temperature, is_greedy, t.seeds, t.counters)
+            token_ids = exponential_race(adjusted, temperature, t.greedy, t.seeds, t.counters)
         if not rows.needs_logprobs:
             return SamplerOutput(token_ids, None, None, None)
 
@@ -243,27 +215,15 @@ def prompt_logprobs(
     Returns (logprob of next_token_ids [L], top-k ids [L, k], their logprobs [L, k]).
     Rows go through float32 _PROMPT_ROWS_PER_PASS at a time: a long prefill's logits stay
     in the model's dtype, and its float32 copies small beside them (the step's memory peak)."""
-    parts = [
-        _prompt_logprobs(rows, ids, k)
-        for rows, ids in zip(
-            logits.split(_PROMPT_ROWS_PER_PASS),
-            next_token_ids.split(_PROMPT_ROWS_PER_PASS),
-            strict=True,
-        )
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    chosen, top_ids, top_lps = (torch.cat(column) for column in zip(*parts, strict=True))
-    return chosen, top_ids, top_lps
-
-
-def _prompt_logprobs(
-    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, next_token_ids[:, None].long()).squeeze(1)
-    top_lps, top_ids = logprobs.topk(k, dim=-1)
-    return chosen, top_ids, top_lps
+    chosen, top_ids, top_lps = [], [], []
+    per_pass = _PROMPT_ROWS_PER_PASS
+    for rows, ids in zip(logits.split(per_pass), next_token_ids.split(per_pass), strict=True):
+        logprobs = rows.float().log_softmax(dim=-1)
+        chosen.append(logprobs.gather(1, ids[:, None].long()).squeeze(1))
+        values, indices = logprobs.topk(k, dim=-1)
+        top_lps.append(values)
+        top_ids.append(indices)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_lps)
 
 
 def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -273,22 +233,17 @@ def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def _row_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return _scatter_count(ids, vocab_size) > 0
-
-
 def _penalise_and_ban(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The logits as they are when no row has a penalty, a ban or a mask; else a float32
     copy with the penalties applied and every id a row may not pick at -inf."""
-    if t.penalty_rows is None and t.banned_token_ids is None and t.allowed is None:
+    if t.penalty_rows is None and t.banned_ids is None and t.allowed is None:
         return logits
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
     vocab = t.rows.vocab_size
     if t.penalty_rows is not None:
-        rows = t.penalty_rows
-        logits = logits.index_copy(0, rows, _apply_penalties(logits[rows], t))
-    if t.banned_token_ids is not None:
-        logits = logits.masked_fill(_row_mask(t.banned_token_ids, vocab), float("-inf"))
+        logits = logits.index_copy(0, t.penalty_rows, _apply_penalties(logits[t.penalty_rows], t))
+    if t.banned_ids is not None:
+        logits = logits.masked_fill(_scatter_count(t.banned_ids, vocab) > 0, float("-inf"))
     if t.allowed is not None:
         logits = logits.masked_fill(~unpack_bitmask(t.allowed, vocab), float("-inf"))
     return logits
@@ -305,7 +260,7 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     rows = t.penalty_rows
     if t.seen_token_ids is not None:
         # HF / CTRL style: push every seen token towards "less likely" whatever its sign.
-        seen = _row_mask(t.seen_token_ids, t.rows.vocab_size)
+        seen = _scatter_count(t.seen_token_ids, t.rows.vocab_size) > 0
         penalty = t.column("repetition_penalty")[rows][:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
