@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from engine.engine import LLMEngine
@@ -80,6 +81,21 @@ class LoopOutput:
     stats: EngineStats
 
 
+@dataclass
+class Ready:
+    """The engine is built and warmed up; its first stats come before any step."""
+
+    info: EngineInfo
+    first: LoopOutput
+
+
+@dataclass
+class Failed:
+    """The engine could not start, or its loop died."""
+
+    error: str
+
+
 def run_engine_loop(
     engine: LLMEngine,
     take: Callable[[bool], list[Submit | Cancel | Stop]],
@@ -92,6 +108,13 @@ def run_engine_loop(
     its request out before step t + 1: a caller who leaves costs at most the step already
     running."""
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
+
+    def report(admissions: list[tuple[int, EngineError | None]], events: list) -> None:
+        finished = {e.request_id for e in events if e.request_id not in engine.requests}
+        for request_id in finished:
+            tickets.pop(request_id, None)
+        deliver(LoopOutput(admissions, events, finished, engine.stats()))
+
     while True:
         items = take(not engine.has_unfinished_requests)
         if items:
@@ -114,9 +137,9 @@ def run_engine_loop(
                     events += engine.abort_request(item.request_id, item.door)
             # Reported before the step: a refused submit hears at once, and admitted
             # requests count as waiting while the step runs.
-            deliver(loop_output(engine, admissions, events, tickets))
+            report(admissions, events)
         if engine.has_unfinished_requests:
-            deliver(loop_output(engine, [], engine.step(), tickets))
+            report([], engine.step())
 
 
 def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
@@ -129,18 +152,28 @@ def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
     return None
 
 
-def loop_output(
-    engine: LLMEngine,
-    admissions: list[tuple[int, EngineError | None]],
-    events: list,
-    tickets: dict[str, int] | None = None,
-) -> LoopOutput:
-    """What the loop reports after a drain or a step, with the engine's stats as of now;
-    the requests it reports finished leave `tickets`."""
-    finished = {e.request_id for e in events if e.request_id not in engine.requests}
-    for request_id in finished if tickets is not None else ():
-        tickets.pop(request_id, None)
-    return LoopOutput(admissions, events, finished, engine.stats())
+def run_core(
+    build: Callable[[], LLMEngine],
+    warmup: bool,
+    take: Callable[[bool], list[Submit | Cancel | Stop]],
+    deliver: Callable[[LoopOutput], None],
+    report: Callable[[Ready | Failed], None],
+) -> bool:
+    """An engine's life on the thread or in the process that runs its loop: build it, warm
+    it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
+    the OpenMP pool must live, report Ready, and run the loop until a Stop. A failure at
+    any point is reported as Failed; returns whether it ended by a Stop."""
+    try:
+        engine = build()
+        if warmup:
+            warm_up(engine)
+        report(Ready(engine.info(), LoopOutput([], [], set(), engine.stats())))
+        run_engine_loop(engine, take, deliver)
+        return True
+    except BaseException as exc:
+        log.exception("the engine failed to start, or its loop died")
+        report(Failed(f"{type(exc).__name__}: {exc}"))
+        return False
 
 
 class EngineCore(Protocol):
@@ -163,10 +196,8 @@ class EngineCore(Protocol):
 
 
 class EngineThread:
-    """The loop on a thread of this process, sharing its interpreter with the event loop.
-
-    With `warmup`, start() first runs engine/warmup.py on the loop's own thread (where
-    torch keeps that thread's state, such as its OpenMP pool) and returns only after it."""
+    """The loop on a thread of this process, sharing its interpreter with the event loop;
+    with `warmup`, start() returns only after the warm-up has run on that thread."""
 
     def __init__(self, engine: LLMEngine, warmup: bool = True):
         self.engine = engine
@@ -177,31 +208,29 @@ class EngineThread:
         self._thread: threading.Thread | None = None
 
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        warmed = threading.Event()
-        failed: list[BaseException] = []
+        started = threading.Event()
+        failed: list[str] = []
 
-        def run() -> None:
-            try:
-                if self.warmup:
-                    warm_up(self.engine)
-                    self.info = self.engine.info()  # with the warm-up's time
-            except BaseException as exc:
-                failed.append(exc)
-                return
-            finally:
-                warmed.set()
-            deliver(loop_output(self.engine, [], []))  # the first stats, before any step
-            try:
-                run_engine_loop(self.engine, self._take, deliver)
-            except BaseException as exc:
-                log.exception("engine loop died")
-                died(f"engine loop died: {type(exc).__name__}: {exc}")
+        def report(message: Ready | Failed) -> None:
+            if isinstance(message, Ready):
+                self.info = message.info  # with the warm-up's time
+                deliver(message.first)
+            elif started.is_set():
+                died(f"engine loop died: {message.error}")
+            else:
+                failed.append(message.error)
+            started.set()
 
-        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=run_core,
+            args=(lambda: self.engine, self.warmup, partial(drain, self._inbox), deliver, report),
+            name="engine-loop",
+            daemon=True,
+        )
         self._thread.start()
-        warmed.wait()
+        started.wait()
         if failed:
-            raise ModelLoadError(f"engine warm-up failed: {failed[0]}") from failed[0]
+            raise ModelLoadError(f"engine warm-up failed: {failed[0]}")
 
     def put(self, item: Submit | Cancel) -> None:
         self._inbox.put(item)
@@ -213,9 +242,6 @@ class EngineThread:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def _take(self, block: bool) -> list[Submit | Cancel | Stop]:
-        return drain(self._inbox, block)
 
 
 def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
