@@ -259,12 +259,23 @@ def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
 
 
 @dataclass
-class _Waiting:
-    """A submit() waiting for the loop to admit its request."""
+class _Caller:
+    """A submit() on its event loop: waiting for admission (AsyncEngine._waiting, by ticket),
+    then reading its stream (AsyncEngine._streams, by request id)."""
 
     stream: RequestStream
-    admitted: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future  # its result: None, or the error that refused the request
+
+    def call_soon(self, fn: Callable, *args: object) -> None:
+        """fn(*args) on the caller's event loop, from any thread."""
+        try:
+            self.admitted.get_loop().call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the caller's loop is closed; nobody is listening
+            pass
+
+    def hear(self, error: EngineError | None) -> None:
+        if not self.admitted.done():  # the caller may have left already
+            self.admitted.set_result(error)
 
 
 class AsyncEngine:
@@ -274,9 +285,9 @@ class AsyncEngine:
         self.mailbox_size = mailbox_size
         # Touched by submit() (the event loop) and by deliver() (the core's thread): dict
         # operations are atomic under the interpreter lock, and each key has one writer
-        # at a time (submit adds, deliver removes).
-        self._waiting: dict[int, _Waiting] = {}
-        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        # at a time (submit adds, deliver moves and removes).
+        self._waiting: dict[int, _Caller] = {}
+        self._streams: dict[str, _Caller] = {}
         self._tickets = itertools.count()
         self._stopping = False
         self.fatal_error: str | None = None
@@ -306,7 +317,7 @@ class AsyncEngine:
     @property
     def has_work(self) -> bool:
         """Submits waiting for admission, or admitted requests not finished yet."""
-        return bool(self._waiting) or bool(self._streams)
+        return bool(self._waiting or self._streams)
 
     @property
     def stalled_seconds(self) -> float:
@@ -318,6 +329,13 @@ class AsyncEngine:
     def is_running(self, request_id: str) -> bool:
         """Admitted and not finished yet."""
         return request_id in self._streams
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not running yet: submitted and not admitted, or admitted
+        and waiting for the scheduler (the loop's last snapshot)."""
+        waiting = self.stats.num_waiting_requests if self.stats else 0
+        return len(self._waiting) + waiting
 
     async def submit(
         self,
@@ -343,35 +361,29 @@ class AsyncEngine:
             raise EngineOverloaded(
                 f"request queue is full ({self.max_queued_requests} waiting); retry later"
             )
-        loop = asyncio.get_running_loop()
         ticket = next(self._tickets)
 
         def abort(by: str) -> None:
             self.core.put(Cancel(request_id, by, ticket))
 
         stream = RequestStream(request_id, params.n, self.mailbox_size, abort, door)
-        admitted = loop.create_future()
+        admitted = asyncio.get_running_loop().create_future()
         if not self.has_work:  # an idle loop delivers nothing: the stall clock starts now
             self._last_progress = time.monotonic()
-        self._waiting[ticket] = _Waiting(stream, admitted, loop)
+        self._waiting[ticket] = _Caller(stream, admitted)
         self.core.put(Submit(ticket, request_id, prompt_token_ids, params, priority))
         if self.fatal_error is not None and self._waiting.pop(ticket, None):
             raise EngineStopped(self.fatal_error)  # the loop died after the check above
         try:
-            await admitted
+            error = await admitted
         except asyncio.CancelledError:
             # The caller left before it heard back: the loop drops the Submit if it is still
             # in the inbox, or aborts what it admitted. Its stream is never handed out.
             stream.cancel()
             raise
+        if error is not None:
+            raise error
         return stream
-
-    @property
-    def num_queued(self) -> int:
-        """Requests accepted but not running yet: submitted and not admitted, or admitted
-        and waiting for the scheduler (the loop's last snapshot)."""
-        waiting = self.stats.num_waiting_requests if self.stats else 0
-        return len(self._waiting) + waiting
 
     def cancel(self, request_id: str, door: str = "cancel_rpc") -> None:
         """Abort whatever request has this id, from any thread; its final events say
@@ -398,53 +410,31 @@ class AsyncEngine:
         self.stats = output.stats
         self._last_progress = time.monotonic()
         for ticket, error in output.admissions:
-            waiting = self._waiting.pop(ticket)
+            caller = self._waiting.pop(ticket)
             if error is None:
-                self._streams[waiting.stream.request_id] = (waiting.stream, waiting.loop)
-            _resolve(waiting.loop, waiting.admitted, error)
+                self._streams[caller.stream.request_id] = caller
+            caller.call_soon(caller.hear, error)
         by_request: dict[str, list[CandidateEvent]] = {}
         for event in output.events:
             by_request.setdefault(event.request_id, []).append(event)
         for request_id, batch in by_request.items():
-            entry = self._streams.get(request_id)
-            if entry is None:
+            caller = self._streams.get(request_id)
+            if caller is None:
                 continue
-            stream, loop = entry
             if request_id in output.finished:
                 del self._streams[request_id]
-            _call_soon(loop, stream._push, batch)
+            caller.call_soon(caller.stream._push, batch)
 
     def _died(self, error: str) -> None:
         """The loop is gone: every waiting submit and every open stream fails with error."""
         self.fatal_error = self.fatal_error or error
         for ticket in list(self._waiting):
-            waiting = self._waiting.pop(ticket)
-            _resolve(waiting.loop, waiting.admitted, EngineStopped(error))
-        for request_id, (stream, loop) in list(self._streams.items()):
+            if caller := self._waiting.pop(ticket, None):  # unless its submit() took it back
+                caller.call_soon(caller.hear, EngineStopped(error))
+        for request_id, caller in list(self._streams.items()):
             events = [
                 CandidateEvent(request_id, i, "", [], finish_reason=FinishReason.ERROR, error=error)
-                for i in range(stream.n)
+                for i in range(caller.stream.n)
             ]
-            _call_soon(loop, stream._push, events)
+            caller.call_soon(caller.stream._push, events)
         self._streams.clear()
-
-
-def _resolve(
-    loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None
-) -> None:
-    def settle() -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-    _call_soon(loop, settle)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's loop is closed; nobody is listening
-        pass
