@@ -56,11 +56,10 @@ class EngineProcess:
         """Spawn the child and wait until its engine is built (model load, CUDA graphs)."""
         self._process.start()
         ready = self._next_output()
-        if isinstance(ready, Failed):
+        if not isinstance(ready, Ready):
             self._process.join(5)
-            raise ModelLoadError(f"the engine process failed to start: {ready.error}")
-        if not isinstance(ready, Ready):  # None: the child is gone without a word
-            raise ModelLoadError(f"the engine process exited with code {self._process.exitcode}")
+            why = ready.error if ready else f"it exited with code {self._process.exitcode}"
+            raise ModelLoadError(f"the engine process failed to start: {why}")
         self.info = ready.info
         self.tokenizer = Tokenizer.from_path(ready.info.model_path)
         deliver(ready.first)
@@ -92,22 +91,12 @@ class EngineProcess:
         return self._process.pid
 
     def _read(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        while True:
-            try:
-                output = self._next_output()
-            except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
-                log.exception("unreadable engine output")
-                output = Failed(f"unreadable output: {type(exc).__name__}: {exc}")
-                self._process.terminate()
-            if isinstance(output, LoopOutput):
-                deliver(output)
-                continue
-            if not self._stopping:  # a Failed, or the child exited without one
-                error = output.error if isinstance(output, Failed) else "it exited"
-                code = self._process.exitcode
-                log.error("engine process died (exit code %s): %s", code, error)
-                died(f"engine process died: {error}")
-            return
+        while isinstance(output := self._next_output(), LoopOutput):
+            deliver(output)
+        if not self._stopping:  # a Failed, or the child exited without one
+            error = output.error if output else "it exited"
+            log.error("engine process died (exit code %s): %s", self._process.exitcode, error)
+            died(f"engine process died: {error}")
 
     def _next_output(self) -> LoopOutput | Ready | Failed | None:
         """The child's next message; None once it is gone."""
@@ -115,11 +104,14 @@ class EngineProcess:
             try:
                 return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
             except queue.Empty:
-                if not self._process.is_alive():  # anything it sent before is read by now
-                    try:
-                        return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
-                    except queue.Empty:
-                        return None
+                # Once it is gone, all it sent is in the pipe (its feeder thread flushes
+                # before it exits), so an empty pipe means nothing more will come.
+                if not self._process.is_alive() and self._outputs.empty():
+                    return None
+            except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
+                log.exception("unreadable engine output")
+                self._process.terminate()
+                return Failed(f"unreadable output: {type(exc).__name__}: {exc}")
 
 
 # ---- in the child ------------------------------------------------------------------------
