@@ -7,9 +7,7 @@ max_queued_requests is refused at once (EngineOverloaded), so a burst cannot gro
 without bound. The loop reports one LoopOutput per inbox drain and per step, which
 AsyncEngine.deliver hands out on the core's thread: admissions settle submit() futures,
 events go to their streams through call_soon_threadsafe, and the immutable EngineStats
-is published by swapping one reference, so readers need no lock. `stalled_seconds`
-(how long work has waited without a LoopOutput) lets a watchdog tell a stuck loop from
-a busy or an idle one.
+is published by swapping one reference, so readers need no lock.
 """
 
 from __future__ import annotations
@@ -267,7 +265,6 @@ class _Caller:
     admitted: asyncio.Future  # its result: None, or the error that refused the request
 
     def call_soon(self, fn: Callable, *args: object) -> None:
-        """fn(*args) on the caller's event loop, from any thread."""
         try:
             self.admitted.get_loop().call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the caller's loop is closed; nobody is listening
@@ -321,9 +318,9 @@ class AsyncEngine:
 
     @property
     def stalled_seconds(self) -> float:
-        """How long work has been outstanding with no LoopOutput from the loop; 0 when
-        idle. A loop stepping normally delivers after every step, so this stays near one
-        step's time; an idle loop delivers nothing and is never stalled."""
+        """How long work has been outstanding with no LoopOutput, so a watchdog can tell a
+        stuck loop from a busy or an idle one: a loop stepping normally delivers after every
+        step, so this stays near one step's time; an idle loop is never stalled."""
         return time.monotonic() - self._last_progress if self.has_work else 0.0
 
     def is_running(self, request_id: str) -> bool:
@@ -399,8 +396,7 @@ class AsyncEngine:
         door: str = "api",
     ) -> AsyncIterator[CandidateEvent]:
         """Submit and iterate; leaving the loop early (or being cancelled) aborts the request."""
-        stream = await self.submit(request_id, prompt_token_ids, params, priority, door)
-        async for event in stream:
+        async for event in await self.submit(request_id, prompt_token_ids, params, priority, door):
             yield event
 
     # ---- on the core's thread ------------------------------------------------------------
