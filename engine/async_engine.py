@@ -7,9 +7,7 @@ max_queued_requests is refused at once (EngineOverloaded), so a burst cannot gro
 without bound. The loop reports one LoopOutput per inbox drain and per step, which
 AsyncEngine.deliver hands out on the core's thread: admissions settle submit() futures,
 events go to their streams through call_soon_threadsafe, and the immutable EngineStats
-is published by swapping one reference, so readers need no lock. `stalled_seconds`
-(how long work has waited without a LoopOutput) lets a watchdog tell a stuck loop from
-a busy or an idle one.
+is published by swapping one reference, so readers need no lock.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from engine.engine import LLMEngine
@@ -80,6 +79,21 @@ class LoopOutput:
     stats: EngineStats
 
 
+@dataclass
+class Ready:
+    """The engine is built and warmed up; its first stats come before any step."""
+
+    info: EngineInfo
+    first: LoopOutput
+
+
+@dataclass
+class Failed:
+    """The engine could not start, or its loop died."""
+
+    error: str
+
+
 def run_engine_loop(
     engine: LLMEngine,
     take: Callable[[bool], list[Submit | Cancel | Stop]],
@@ -92,6 +106,13 @@ def run_engine_loop(
     its request out before step t + 1: a caller who leaves costs at most the step already
     running."""
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
+
+    def report(admissions: list[tuple[int, EngineError | None]], events: list) -> None:
+        finished = {e.request_id for e in events if e.request_id not in engine.requests}
+        for request_id in finished:
+            tickets.pop(request_id, None)
+        deliver(LoopOutput(admissions, events, finished, engine.stats()))
+
     while True:
         items = take(not engine.has_unfinished_requests)
         if items:
@@ -114,9 +135,9 @@ def run_engine_loop(
                     events += engine.abort_request(item.request_id, item.door)
             # Reported before the step: a refused submit hears at once, and admitted
             # requests count as waiting while the step runs.
-            deliver(loop_output(engine, admissions, events, tickets))
+            report(admissions, events)
         if engine.has_unfinished_requests:
-            deliver(loop_output(engine, [], engine.step(), tickets))
+            report([], engine.step())
 
 
 def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
@@ -129,18 +150,28 @@ def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
     return None
 
 
-def loop_output(
-    engine: LLMEngine,
-    admissions: list[tuple[int, EngineError | None]],
-    events: list,
-    tickets: dict[str, int] | None = None,
-) -> LoopOutput:
-    """What the loop reports after a drain or a step, with the engine's stats as of now;
-    the requests it reports finished leave `tickets`."""
-    finished = {e.request_id for e in events if e.request_id not in engine.requests}
-    for request_id in finished if tickets is not None else ():
-        tickets.pop(request_id, None)
-    return LoopOutput(admissions, events, finished, engine.stats())
+def run_core(
+    build: Callable[[], LLMEngine],
+    warmup: bool,
+    take: Callable[[bool], list[Submit | Cancel | Stop]],
+    deliver: Callable[[LoopOutput], None],
+    report: Callable[[Ready | Failed], None],
+) -> bool:
+    """An engine's life on the thread or in the process that runs its loop: build it, warm
+    it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
+    the OpenMP pool must live, report Ready, and run the loop until a Stop. A failure at
+    any point is reported as Failed; returns whether it ended by a Stop."""
+    try:
+        engine = build()
+        if warmup:
+            warm_up(engine)
+        report(Ready(engine.info(), LoopOutput([], [], set(), engine.stats())))
+        run_engine_loop(engine, take, deliver)
+        return True
+    except BaseException as exc:
+        log.exception("the engine failed to start, or its loop died")
+        report(Failed(f"{type(exc).__name__}: {exc}"))
+        return False
 
 
 class EngineCore(Protocol):
@@ -163,10 +194,8 @@ class EngineCore(Protocol):
 
 
 class EngineThread:
-    """The loop on a thread of this process, sharing its interpreter with the event loop.
-
-    With `warmup`, start() first runs engine/warmup.py on the loop's own thread (where
-    torch keeps that thread's state, such as its OpenMP pool) and returns only after it."""
+    """The loop on a thread of this process, sharing its interpreter with the event loop;
+    with `warmup`, start() returns only after the warm-up has run on that thread."""
 
     def __init__(self, engine: LLMEngine, warmup: bool = True):
         self.engine = engine
@@ -177,31 +206,29 @@ class EngineThread:
         self._thread: threading.Thread | None = None
 
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        warmed = threading.Event()
-        failed: list[BaseException] = []
+        started = threading.Event()
+        failed: list[str] = []
 
-        def run() -> None:
-            try:
-                if self.warmup:
-                    warm_up(self.engine)
-                    self.info = self.engine.info()  # with the warm-up's time
-            except BaseException as exc:
-                failed.append(exc)
-                return
-            finally:
-                warmed.set()
-            deliver(loop_output(self.engine, [], []))  # the first stats, before any step
-            try:
-                run_engine_loop(self.engine, self._take, deliver)
-            except BaseException as exc:
-                log.exception("engine loop died")
-                died(f"engine loop died: {type(exc).__name__}: {exc}")
+        def report(message: Ready | Failed) -> None:
+            if isinstance(message, Ready):
+                self.info = message.info  # with the warm-up's time
+                deliver(message.first)
+            elif started.is_set():
+                died(f"engine loop died: {message.error}")
+            else:
+                failed.append(message.error)
+            started.set()
 
-        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=run_core,
+            args=(lambda: self.engine, self.warmup, partial(drain, self._inbox), deliver, report),
+            name="engine-loop",
+            daemon=True,
+        )
         self._thread.start()
-        warmed.wait()
+        started.wait()
         if failed:
-            raise ModelLoadError(f"engine warm-up failed: {failed[0]}") from failed[0]
+            raise ModelLoadError(f"engine warm-up failed: {failed[0]}")
 
     def put(self, item: Submit | Cancel) -> None:
         self._inbox.put(item)
@@ -213,9 +240,6 @@ class EngineThread:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def _take(self, block: bool) -> list[Submit | Cancel | Stop]:
-        return drain(self._inbox, block)
 
 
 def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
@@ -233,12 +257,22 @@ def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
 
 
 @dataclass
-class _Waiting:
-    """A submit() waiting for the loop to admit its request."""
+class _Caller:
+    """A submit() on its event loop: waiting for admission (AsyncEngine._waiting, by ticket),
+    then reading its stream (AsyncEngine._streams, by request id)."""
 
     stream: RequestStream
-    admitted: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future  # its result: None, or the error that refused the request
+
+    def call_soon(self, fn: Callable, *args: object) -> None:
+        try:
+            self.admitted.get_loop().call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the caller's loop is closed; nobody is listening
+            pass
+
+    def hear(self, error: EngineError | None) -> None:
+        if not self.admitted.done():  # the caller may have left already
+            self.admitted.set_result(error)
 
 
 class AsyncEngine:
@@ -248,9 +282,9 @@ class AsyncEngine:
         self.mailbox_size = mailbox_size
         # Touched by submit() (the event loop) and by deliver() (the core's thread): dict
         # operations are atomic under the interpreter lock, and each key has one writer
-        # at a time (submit adds, deliver removes).
-        self._waiting: dict[int, _Waiting] = {}
-        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        # at a time (submit adds, deliver moves and removes).
+        self._waiting: dict[int, _Caller] = {}
+        self._streams: dict[str, _Caller] = {}
         self._tickets = itertools.count()
         self._stopping = False
         self.fatal_error: str | None = None
@@ -280,18 +314,25 @@ class AsyncEngine:
     @property
     def has_work(self) -> bool:
         """Submits waiting for admission, or admitted requests not finished yet."""
-        return bool(self._waiting) or bool(self._streams)
+        return bool(self._waiting or self._streams)
 
     @property
     def stalled_seconds(self) -> float:
-        """How long work has been outstanding with no LoopOutput from the loop; 0 when
-        idle. A loop stepping normally delivers after every step, so this stays near one
-        step's time; an idle loop delivers nothing and is never stalled."""
+        """How long work has been outstanding with no LoopOutput, so a watchdog can tell a
+        stuck loop from a busy or an idle one: a loop stepping normally delivers after every
+        step, so this stays near one step's time; an idle loop is never stalled."""
         return time.monotonic() - self._last_progress if self.has_work else 0.0
 
     def is_running(self, request_id: str) -> bool:
         """Admitted and not finished yet."""
         return request_id in self._streams
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not running yet: submitted and not admitted, or admitted
+        and waiting for the scheduler (the loop's last snapshot)."""
+        waiting = self.stats.num_waiting_requests if self.stats else 0
+        return len(self._waiting) + waiting
 
     async def submit(
         self,
@@ -317,35 +358,29 @@ class AsyncEngine:
             raise EngineOverloaded(
                 f"request queue is full ({self.max_queued_requests} waiting); retry later"
             )
-        loop = asyncio.get_running_loop()
         ticket = next(self._tickets)
 
         def abort(by: str) -> None:
             self.core.put(Cancel(request_id, by, ticket))
 
         stream = RequestStream(request_id, params.n, self.mailbox_size, abort, door)
-        admitted = loop.create_future()
+        admitted = asyncio.get_running_loop().create_future()
         if not self.has_work:  # an idle loop delivers nothing: the stall clock starts now
             self._last_progress = time.monotonic()
-        self._waiting[ticket] = _Waiting(stream, admitted, loop)
+        self._waiting[ticket] = _Caller(stream, admitted)
         self.core.put(Submit(ticket, request_id, prompt_token_ids, params, priority))
         if self.fatal_error is not None and self._waiting.pop(ticket, None):
             raise EngineStopped(self.fatal_error)  # the loop died after the check above
         try:
-            await admitted
+            error = await admitted
         except asyncio.CancelledError:
             # The caller left before it heard back: the loop drops the Submit if it is still
             # in the inbox, or aborts what it admitted. Its stream is never handed out.
             stream.cancel()
             raise
+        if error is not None:
+            raise error
         return stream
-
-    @property
-    def num_queued(self) -> int:
-        """Requests accepted but not running yet: submitted and not admitted, or admitted
-        and waiting for the scheduler (the loop's last snapshot)."""
-        waiting = self.stats.num_waiting_requests if self.stats else 0
-        return len(self._waiting) + waiting
 
     def cancel(self, request_id: str, door: str = "cancel_rpc") -> None:
         """Abort whatever request has this id, from any thread; its final events say
@@ -361,8 +396,7 @@ class AsyncEngine:
         door: str = "api",
     ) -> AsyncIterator[CandidateEvent]:
         """Submit and iterate; leaving the loop early (or being cancelled) aborts the request."""
-        stream = await self.submit(request_id, prompt_token_ids, params, priority, door)
-        async for event in stream:
+        async for event in await self.submit(request_id, prompt_token_ids, params, priority, door):
             yield event
 
     # ---- on the core's thread ------------------------------------------------------------
@@ -372,53 +406,31 @@ class AsyncEngine:
         self.stats = output.stats
         self._last_progress = time.monotonic()
         for ticket, error in output.admissions:
-            waiting = self._waiting.pop(ticket)
+            caller = self._waiting.pop(ticket)
             if error is None:
-                self._streams[waiting.stream.request_id] = (waiting.stream, waiting.loop)
-            _resolve(waiting.loop, waiting.admitted, error)
+                self._streams[caller.stream.request_id] = caller
+            caller.call_soon(caller.hear, error)
         by_request: dict[str, list[CandidateEvent]] = {}
         for event in output.events:
             by_request.setdefault(event.request_id, []).append(event)
         for request_id, batch in by_request.items():
-            entry = self._streams.get(request_id)
-            if entry is None:
+            caller = self._streams.get(request_id)
+            if caller is None:
                 continue
-            stream, loop = entry
             if request_id in output.finished:
                 del self._streams[request_id]
-            _call_soon(loop, stream._push, batch)
+            caller.call_soon(caller.stream._push, batch)
 
     def _died(self, error: str) -> None:
         """The loop is gone: every waiting submit and every open stream fails with error."""
         self.fatal_error = self.fatal_error or error
         for ticket in list(self._waiting):
-            waiting = self._waiting.pop(ticket)
-            _resolve(waiting.loop, waiting.admitted, EngineStopped(error))
-        for request_id, (stream, loop) in list(self._streams.items()):
+            if caller := self._waiting.pop(ticket, None):  # unless its submit() took it back
+                caller.call_soon(caller.hear, EngineStopped(error))
+        for request_id, caller in list(self._streams.items()):
             events = [
                 CandidateEvent(request_id, i, "", [], finish_reason=FinishReason.ERROR, error=error)
-                for i in range(stream.n)
+                for i in range(caller.stream.n)
             ]
-            _call_soon(loop, stream._push, events)
+            caller.call_soon(caller.stream._push, events)
         self._streams.clear()
-
-
-def _resolve(
-    loop: asyncio.AbstractEventLoop, fut: asyncio.Future, exc: BaseException | None
-) -> None:
-    def settle() -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-    _call_soon(loop, settle)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's loop is closed; nobody is listening
-        pass

@@ -6,10 +6,10 @@ a core at GPU speed. On one interpreter they take turns holding its lock, and th
 the GPU waits for gets stretched by the server's writes (benchmarks/RESULTS.md, serving on
 the H200). In a child process each has an interpreter of its own.
 
-How: the child is spawned (CUDA cannot be forked), builds the LLMEngine, runs the warm-up
-(engine/warmup.py, so the kernels are built in the process that runs them), reports ready
-with its EngineInfo and first stats, then runs engine.async_engine.run_engine_loop over
-two multiprocessing queues: requests in (Submit / Cancel / Stop), LoopOutputs out. Both
+How: the child is spawned (CUDA cannot be forked) and runs engine.async_engine.run_core,
+which builds the LLMEngine, warms it up (so the kernels are built in the process that runs
+them), reports ready with its EngineInfo and first stats, then runs the loop over two
+multiprocessing queues: requests in (Submit / Cancel / Stop), LoopOutputs out. Both
 queues have feeder threads, so a put never blocks either side: the event loop never waits
 for the child, and the child never waits for the parent. A reader thread in the parent
 takes each LoopOutput and hands it to AsyncEngine.deliver. The child exits when told to,
@@ -23,40 +23,16 @@ import multiprocessing as mp
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from engine.async_engine import (
-    Cancel,
-    LoopOutput,
-    Stop,
-    Submit,
-    drain,
-    loop_output,
-    run_engine_loop,
-)
+from engine.async_engine import Cancel, Failed, LoopOutput, Ready, Stop, Submit, drain, run_core
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
-from engine.stats import EngineInfo
 from engine.tokenizer import Tokenizer
-from engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
 # How often a waiting side looks up whether the other one is still alive.
 LIVENESS_POLL_SECONDS = 0.5
-
-
-@dataclass
-class _Ready:
-    info: EngineInfo
-    first: LoopOutput
-
-
-@dataclass
-class _Failed:
-    """The engine could not start, or its loop died."""
-
-    error: str
 
 
 class EngineProcess:
@@ -79,15 +55,14 @@ class EngineProcess:
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
         """Spawn the child and wait until its engine is built (model load, CUDA graphs)."""
         self._process.start()
-        first = self._next_output()
-        if isinstance(first, _Failed):
+        ready = self._next_output()
+        if not isinstance(ready, Ready):
             self._process.join(5)
-            raise ModelLoadError(f"the engine process failed to start: {first.error}")
-        if not isinstance(first, _Ready):  # None: the child is gone without a word
-            raise ModelLoadError(f"the engine process exited with code {self._process.exitcode}")
-        self.info = first.info
-        self.tokenizer = Tokenizer.from_path(first.info.model_path)
-        deliver(first.first)
+            why = ready.error if ready else f"it exited with code {self._process.exitcode}"
+            raise ModelLoadError(f"the engine process failed to start: {why}")
+        self.info = ready.info
+        self.tokenizer = Tokenizer.from_path(ready.info.model_path)
+        deliver(ready.first)
         self._reader = threading.Thread(
             target=self._read, args=(deliver, died), name="engine-outputs", daemon=True
         )
@@ -116,34 +91,27 @@ class EngineProcess:
         return self._process.pid
 
     def _read(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        while True:
-            try:
-                output = self._next_output()
-            except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
-                log.exception("unreadable engine output")
-                output = _Failed(f"unreadable output: {type(exc).__name__}: {exc}")
-                self._process.terminate()
-            if isinstance(output, LoopOutput):
-                deliver(output)
-                continue
-            if not self._stopping:  # a _Failed, or the child exited without one
-                error = output.error if isinstance(output, _Failed) else "it exited"
-                code = self._process.exitcode
-                log.error("engine process died (exit code %s): %s", code, error)
-                died(f"engine process died: {error}")
-            return
+        while isinstance(output := self._next_output(), LoopOutput):
+            deliver(output)
+        if not self._stopping:  # a Failed, or the child exited without one
+            error = output.error if output else "it exited"
+            log.error("engine process died (exit code %s): %s", self._process.exitcode, error)
+            died(f"engine process died: {error}")
 
-    def _next_output(self) -> LoopOutput | _Ready | _Failed | None:
+    def _next_output(self) -> LoopOutput | Ready | Failed | None:
         """The child's next message; None once it is gone."""
         while True:
             try:
                 return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
             except queue.Empty:
-                if not self._process.is_alive():  # anything it sent before is read by now
-                    try:
-                        return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
-                    except queue.Empty:
-                        return None
+                # Once it is gone, all it sent is in the pipe (its feeder thread flushes
+                # before it exits), so an empty pipe means nothing more will come.
+                if not self._process.is_alive() and self._outputs.empty():
+                    return None
+            except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
+                log.exception("unreadable engine output")
+                self._process.terminate()
+                return Failed(f"unreadable output: {type(exc).__name__}: {exc}")
 
 
 # ---- in the child ------------------------------------------------------------------------
@@ -157,15 +125,6 @@ def _child_main(
     )
     from engine.engine import LLMEngine  # here, so the parent never builds one by accident
 
-    try:
-        engine = LLMEngine(config)
-        if warmup:  # here, where the engine lives: its kernels are built in this process
-            warm_up(engine)
-    except BaseException as exc:
-        log.exception("engine start-up failed")
-        outputs.put(_Failed(f"{type(exc).__name__}: {exc}"))
-        return
-    outputs.put(_Ready(engine.info(), loop_output(engine, [], [])))
     parent = mp.parent_process()
 
     def take(block: bool) -> list[Submit | Cancel | Stop]:
@@ -174,12 +133,6 @@ def _child_main(
             return [Stop()]  # orphaned: free the device
         return items
 
-    try:
-        run_engine_loop(engine, take, outputs.put)
-    except BaseException as exc:
-        log.exception("engine loop died")
-        outputs.put(_Failed(f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    # Wait for the feeder thread to hand every output to the pipe before exiting.
-    outputs.close()
-    outputs.join_thread()
+    # A child exits only once its feeder thread has put every output into the pipe.
+    if not run_core(lambda: LLMEngine(config), warmup, take, outputs.put, outputs.put):
+        raise SystemExit(1)
