@@ -144,9 +144,8 @@ class LLMEngine:
     def abort_request(self, request_id: str, door: str = "api") -> list[CandidateEvent]:
         """Cancel a request; returns its final CANCELLED events (empty if unknown/finished).
         Counted in stats().aborts under door (who asked) and the stage the request was at."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.count_abort(door, request.stage)
+        if request_id in self.requests:
+            self.count_abort(door, self.requests[request_id].stage)
         return self._finish_request(request_id, FinishReason.CANCELLED, None)
 
     def count_abort(self, door: str, stage: str) -> None:
@@ -287,8 +286,9 @@ class LLMEngine:
         counters: list[int] = []
         banned: list[list[int]] = []
         samplers: list[tuple[Sequence, int, list[int]]] = []
+        masks: list[tuple[int, TokenMask]] = []  # (its first row, the mask)
         prompt_logprobs: dict[int, int] = {}
-        book = self.scheduler.slots
+        book, vocab_size = self.scheduler.slots, self.model_config.vocab_size
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             request = seq.request
@@ -305,6 +305,8 @@ class LLMEngine:
                 book.write_tokens(seq.slot, seq.num_tokens, proposed)
             rows = num_samples[i] = len(proposed) + 1
             samplers.append((seq, rows, proposed))
+            if seq.token_mask is not None:
+                masks.append((len(params), seq.token_mask))
             for j in range(rows):
                 # The row's token goes to position chunk.end - rows + 1 + j; its counter is
                 # the number of output tokens before it.
@@ -314,17 +316,11 @@ class LLMEngine:
                 counters.append(sampled_before)
                 banned.append(request.params.banned_ids(sampled_before, self.eos_token_ids))
         allowed = None
-        if any(seq.token_mask is not None for seq, _, _ in samplers):
-            words = -(-self.model_config.vocab_size // 32)
-            allowed = np.full((len(params), words), -1, dtype=np.int32)
-            row = 0
-            for seq, rows, _ in samplers:
-                if seq.token_mask is not None:
-                    seq.token_mask.fill_next(allowed[row])
-                row += rows
-        sampling = SamplingRows.build(
-            params, seeds, counters, banned, self.model_config.vocab_size, allowed
-        )
+        if masks:
+            allowed = np.full((len(params), -(-vocab_size // 32)), -1, dtype=np.int32)
+            for row, mask in masks:
+                mask.fill_next(allowed[row])
+        sampling = SamplingRows.build(params, seeds, counters, banned, vocab_size, allowed)
         plan = StepPlan(
             slots=slots,
             query_lens=query_lens,
