@@ -170,7 +170,7 @@ class ModelRunner:
         rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
         history = self._penalty_history(plan, rows)
         targets = rows.sample_slots * self.token_width + rows.sample_ends
-        host = [*plan.changes.arrays(), targets, *rows.uploads, *history, *plan.sampling.arrays()]
+        host = [*plan.changes, targets, *rows.uploads, *history, *plan.sampling.arrays()]
         uploaded = upload(host, self.device)
         self.batch.apply(uploaded[:4])
         targets_d, token_inputs = uploaded[4:6]
