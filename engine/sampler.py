@@ -17,7 +17,7 @@ The draw is counter-based, not a torch.Generator: engine/kernels/race.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -122,8 +122,10 @@ class SamplingRows(Generic[Array]):
         """These rows with arrays() uploaded in place of the arrays, and the penalty rows'
         token histories."""
         tensors = iter(uploaded)
-        moved = {n: None if getattr(self, n) is None else next(tensors) for n in _UPLOADED}
-        return replace(self, **moved, seen_token_ids=seen, output_token_ids=output)
+        moved = {n: next(tensors) for n in _UPLOADED if getattr(self, n) is not None}
+        histories = {"seen_token_ids": seen, "output_token_ids": output}
+        # Not dataclasses.replace, which checks each field on its way: this runs every step.
+        return SamplingRows(**{**vars(self), **moved, **histories})
 
     def column(self, name: str) -> Array:
         """One of _ROW_NUMBERS, per row, as _row_numbers makes them."""
