@@ -6,8 +6,8 @@ Per row, in order: repetition / presence / frequency penalties -> min_tokens ban
 
 Everything is vectorized on whatever device the logits live on, with no host<->device
 sync: the decisions that depend on the batch's parameters (skip penalties, skip filters,
-all greedy, skip logprobs) are made on the host from the SamplingParams when the tensors
-are built. The logits come in the model's dtype; each stage that needs float32 makes it.
+all greedy, skip logprobs) are made on the host from the SamplingParams, when
+SamplingRows.build makes the rows. The logits come in the model's dtype; each stage that needs float32 makes it.
 In the common case (no penalty, ban or filter) a CUDA step is one Triton pass over the
 logits: temperature, noise, race and the greedy rows' argmax together.
 
