@@ -19,7 +19,7 @@ CUDA graph attend to, and its tokens are 0.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,18 +27,14 @@ import torch
 from engine.kernels.dispatch import use_triton
 
 
-@dataclass
-class BatchChanges:
-    """Writes into the tables before a step, as flat indices into each table."""
+class BatchChanges(NamedTuple):
+    """Writes into the tables before a step, as flat indices into each table; uploaded in
+    this order, which DeviceBatch.apply takes."""
 
     token_index: np.ndarray  # int64: slot * token_width + position
     token_ids: np.ndarray  # int32
     block_index: np.ndarray  # int64: slot * block_width + the block's number in the row
     block_ids: np.ndarray  # int32
-
-    def arrays(self) -> list[np.ndarray]:
-        """In the order DeviceBatch.apply takes them."""
-        return [self.token_index, self.token_ids, self.block_index, self.block_ids]
 
 
 class SlotBook:
@@ -81,10 +77,9 @@ class SlotBook:
         self._blocks_on_device[slot] = len(block_ids)
 
     def take_changes(self) -> BatchChanges:
-        token_index, token_ids = _flat(self._token_writes)
-        block_index, block_ids = _flat(self._block_writes)
+        changes = BatchChanges(*_flat(self._token_writes), *_flat(self._block_writes))
         self._token_writes, self._block_writes = [], []
-        return BatchChanges(token_index, token_ids, block_index, block_ids)
+        return changes
 
 
 def _flat(writes: list[tuple[int, Sequence[int]]]) -> tuple[np.ndarray, np.ndarray]:
@@ -104,7 +99,7 @@ class DeviceBatch:
         self.block_table = torch.zeros(num_slots + 1, block_width, dtype=torch.int32, device=device)
 
     def apply(self, changes: list[torch.Tensor]) -> None:
-        """Write a step's BatchChanges (its arrays(), on the device)."""
+        """Write a step's BatchChanges (uploaded, in their order)."""
         token_index, token_ids, block_index, block_ids = changes
         if token_index.numel():  # most steps change nothing: no launch then
             self.token_ids.view(-1).index_copy_(0, token_index, token_ids)

@@ -26,7 +26,7 @@ from engine.batch import BatchChanges, DeviceBatch
 from engine.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from engine.model.config import ModelConfig
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplingRows, SamplingTensors, prompt_logprobs
+from engine.sampler import Sampler, SamplingRows, prompt_logprobs
 
 
 @dataclass
@@ -41,7 +41,7 @@ class StepPlan:
     # 0 in a middle chunk of a prefill, 1, or more to verify tokens a proposer wrote.
     num_samples: np.ndarray  # int32 [B]
     num_prompt_tokens: np.ndarray  # int32 [B]: where its output starts, for penalties
-    sampling: SamplingRows  # one row per sample, sequence after sequence
+    sampling: SamplingRows[np.ndarray]  # one row per sample, sequence after sequence
     prompt_logprobs: dict[int, int]  # sequence -> alternatives, where its chunk's are wanted
     changes: BatchChanges  # written into the tables first
 
@@ -170,7 +170,7 @@ class ModelRunner:
         rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
         history = self._penalty_history(plan, rows)
         targets = rows.sample_slots * self.token_width + rows.sample_ends
-        host = [*plan.changes.arrays(), targets, *rows.uploads, *history, *plan.sampling.arrays()]
+        host = [*plan.changes, targets, *rows.uploads, *history, *plan.sampling.arrays()]
         uploaded = upload(host, self.device)
         self.batch.apply(uploaded[:4])
         targets_d, token_inputs = uploaded[4:6]
@@ -201,12 +201,12 @@ class ModelRunner:
             width, pad = int(history[2].max()), self.config.vocab_size
             seen_ids, output_ids = self.batch.history(*rest[:3], width, pad)
             rest = rest[3:]
-        tensors = plan.sampling.on_device(rest, seen_ids, output_ids)
+        sampling = plan.sampling.on_device(rest, seen_ids, output_ids)
 
         if not len(hidden):  # every chunk is a middle piece of a prefill: nothing to read
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
         logits = self.model.compute_logits(hidden)
-        launched = self._sample(logits[:num_samples], tensors, targets_d)
+        launched = self._sample(logits[:num_samples], sampling, targets_d)
         offset = num_samples
         for i, (first, count) in rows.spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).
@@ -288,16 +288,16 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, tensors: SamplingTensors, targets: torch.Tensor
+        self, logits: torch.Tensor, sampling: SamplingRows[torch.Tensor], targets: torch.Tensor
     ) -> LaunchedStep:
         """Queue the sampling, the tokens' writes into the token table and their host copies."""
-        counts = tensors.rows.logprob_counts
+        counts = sampling.logprob_counts
         if not counts:
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
-        out = self.sampler(logits, tensors)
+        out = self.sampler(logits, sampling)
         self.batch.write_tokens(targets, out.token_ids)
         outputs = [out.token_ids]
-        if tensors.rows.needs_logprobs:
+        if sampling.needs_logprobs:
             top_ids, top_lps = out.top_token_ids, out.top_logprobs
             if top_ids is None:  # no row asked for alternatives: empty [R, 0] tables
                 top_ids = out.token_ids.new_empty((len(counts), 0))

@@ -6,8 +6,8 @@ Per row, in order: repetition / presence / frequency penalties -> min_tokens ban
 
 Everything is vectorized on whatever device the logits live on, with no host<->device
 sync: the decisions that depend on the batch's parameters (skip penalties, skip filters,
-all greedy, skip logprobs) are made on the host from the SamplingParams when the tensors
-are built. The logits come in the model's dtype; each stage that needs float32 makes it.
+all greedy, skip logprobs) are made on the host from the SamplingParams, when
+SamplingRows.build makes the rows. The logits come in the model's dtype; each stage that needs float32 makes it.
 In the common case (no penalty, ban or filter) a CUDA step is one Triton pass over the
 logits: temperature, noise, race and the greedy rows' argmax together.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -31,28 +32,32 @@ _PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 
 # A sampled row's numbers, in this order after the greedy flag _row_numbers puts first.
 _ROW_NUMBERS = ("temperature", "top_k", "top_p", "min_p")
 _ROW_NUMBERS += ("repetition_penalty", "presence_penalty", "frequency_penalty")
-# The arrays a SamplingRows uploads, in this order where they are not None, and the names
-# its SamplingTensors gives them on the device.
+# The arrays a SamplingRows uploads, in this order where they are not None.
 _UPLOADED = ("numbers", "greedy", "seeds", "counters", "banned_ids", "allowed", "penalty_rows")
+
+# What the uploaded fields hold: numpy arrays on the host, where build() makes them; tensors
+# on the device in the copy on_device() returns, which the sampler reads.
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
 
 @dataclass
-class SamplingRows:
-    """A step's sampling parameters on the host, one row per token to sample: what the
-    runner uploads. Decisions that depend on the whole batch (skip penalties, filters,
-    logprobs; all greedy) are made here, so the device never has to report back."""
+class SamplingRows(Generic[Array]):
+    """A step's sampling parameters, one row per token to sample: what the runner uploads,
+    and then what the sampler reads. Decisions that depend on the whole batch (skip
+    penalties, filters, logprobs; all greedy) are made on the host, so the device never has
+    to report back."""
 
-    numbers: np.ndarray  # float32 [len(_ROW_NUMBERS), R]
-    greedy: np.ndarray  # bool [R]
-    seeds: np.ndarray  # int64 [R]
-    counters: np.ndarray  # int64 [R]: output tokens sampled before this one
+    numbers: Array  # float32 [len(_ROW_NUMBERS), R]
+    greedy: Array  # bool [R]
+    seeds: Array  # int64 [R]
+    counters: Array  # int64 [R]: output tokens sampled before this one
     # int64 [R, N], padded with vocab_size: ids a row may not pick (EOS and stop ids while
     # below min_tokens); None when no row bans any.
-    banned_ids: np.ndarray | None
+    banned_ids: Array | None
     # The logits mask hook: int32 [R, ceil(vocab / 32)], bit v % 32 of word v // 32 set
     # where token v may be picked (all ones on rows without a mask); None: no row has one.
-    allowed: np.ndarray | None
-    penalty_rows: np.ndarray | None  # int64 [P]: rows with a penalty, whose history is read
+    allowed: Array | None
+    penalty_rows: Array | None  # int64 [P]: rows with a penalty, whose history is read
     logprob_counts: list[int | None]  # per row, its params' logprobs (None: not asked)
     vocab_size: int
     uses_repetition: bool  # some row has a repetition penalty
@@ -61,6 +66,10 @@ class SamplingRows:
     max_num_logprobs: int  # K of the top-logprob tensors; 0 = none requested
     all_greedy: bool
     needs_filters: bool  # some sampled row uses top-k, top-p or min-p
+    # On the device, where penalty_rows is set: the penalty rows' token histories, int64
+    # [P, L] padded with the pad id vocab_size, a scratch column dropped after scattering.
+    seen_token_ids: torch.Tensor | None = None  # prompt + output, for repetition
+    output_token_ids: torch.Tensor | None = None  # output, for presence / frequency
 
     @classmethod
     def build(
@@ -71,7 +80,7 @@ class SamplingRows:
         banned_ids: Sequence[Sequence[int]],
         vocab_size: int,
         allowed: np.ndarray | None = None,
-    ) -> SamplingRows:
+    ) -> SamplingRows[np.ndarray]:
         # One row of numbers per row, one table for the batch: a single pass over the params
         # (this runs every step, on the host, for every running sequence).
         table = np.array([_row_numbers(p, vocab_size) for p in params], dtype=np.float32)
@@ -109,37 +118,16 @@ class SamplingRows:
 
     def on_device(
         self, uploaded: list[torch.Tensor], seen: torch.Tensor | None, output: torch.Tensor | None
-    ) -> SamplingTensors:
-        """The tensors, from arrays() uploaded, and the penalty rows' token histories."""
+    ) -> SamplingRows[torch.Tensor]:
+        """These rows with arrays() uploaded in place of the arrays, and the penalty rows'
+        token histories."""
         tensors = iter(uploaded)
-        moved = {n: None if getattr(self, n) is None else next(tensors) for n in _UPLOADED}
-        return SamplingTensors(
-            self,
-            **moved,
-            seen_token_ids=seen if self.uses_repetition else None,
-            output_token_ids=output if self.uses_counts else None,
-        )
+        moved = {n: next(tensors) for n in _UPLOADED if getattr(self, n) is not None}
+        histories = {"seen_token_ids": seen, "output_token_ids": output}
+        # Not dataclasses.replace, which checks each field on its way: this runs every step.
+        return SamplingRows(**{**vars(self), **moved, **histories})
 
-
-@dataclass
-class SamplingTensors:
-    """The batch's sampling parameters as device tensors (SamplingRows' arrays, named as
-    there), beside the host's decisions for the whole batch (rows)."""
-
-    rows: SamplingRows
-    numbers: torch.Tensor
-    greedy: torch.Tensor
-    seeds: torch.Tensor
-    counters: torch.Tensor
-    banned_ids: torch.Tensor | None
-    allowed: torch.Tensor | None
-    penalty_rows: torch.Tensor | None
-    # The penalty rows' token histories: int64 [P, L] padded with the pad id vocab_size, a
-    # scratch column dropped after scattering. None skips the stage.
-    seen_token_ids: torch.Tensor | None  # prompt + output, for repetition
-    output_token_ids: torch.Tensor | None  # output, for presence / frequency
-
-    def column(self, name: str) -> torch.Tensor:
+    def column(self, name: str) -> Array:
         """One of _ROW_NUMBERS, per row, as _row_numbers makes them."""
         return self.numbers[_ROW_NUMBERS.index(name)]
 
@@ -173,25 +161,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> SamplerOutput:
         """logits [B, vocab] in any float dtype (the model's); they are not modified."""
-        rows = t.rows
-        assert logits.dim() == 2 and logits.shape[1] == rows.vocab_size, logits.shape
+        assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, logits.shape
         adjusted = _penalise_and_ban(logits, t)
         temperature = t.column("temperature")
-        if rows.all_greedy:
+        if t.all_greedy:
             token_ids = adjusted.argmax(dim=-1)
-        elif rows.needs_filters:
-            scaled = _apply_top_k_top_p_min_p(
-                adjusted.float() / temperature[:, None],
-                t.column("top_k").long(),
-                t.column("top_p"),
-                t.column("min_p"),
-            )
+        elif t.needs_filters:
+            scaled = _apply_top_k_top_p_min_p(adjusted.float() / temperature[:, None], t)
             token_ids = exponential_race(scaled, None, t.greedy, t.seeds, t.counters)
         else:
             token_ids = exponential_race(adjusted, temperature, t.greedy, t.seeds, t.counters)
-        if not rows.needs_logprobs:
+        if not t.needs_logprobs:
             return SamplerOutput(token_ids, None, None, None)
 
         # Logprobs describe the model's own distribution (log_softmax of the raw logits),
@@ -201,8 +183,8 @@ class Sampler:
         log_normalizer = raw_logits.logsumexp(dim=-1)
         chosen = raw_logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer
         top_ids = top_lps = None
-        if rows.max_num_logprobs > 0:
-            top_values, top_ids = raw_logits.topk(rows.max_num_logprobs, dim=-1)
+        if t.max_num_logprobs > 0:
+            top_values, top_ids = raw_logits.topk(t.max_num_logprobs, dim=-1)
             top_lps = top_values - log_normalizer[:, None]
         return SamplerOutput(token_ids, chosen, top_ids, top_lps)
 
@@ -233,13 +215,13 @@ def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def _penalise_and_ban(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _penalise_and_ban(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:
     """The logits as they are when no row has a penalty, a ban or a mask; else a float32
     copy with the penalties applied and every id a row may not pick at -inf."""
     if t.penalty_rows is None and t.banned_ids is None and t.allowed is None:
         return logits
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
-    vocab = t.rows.vocab_size
+    vocab = t.vocab_size
     if t.penalty_rows is not None:
         logits = logits.index_copy(0, t.penalty_rows, _apply_penalties(logits[t.penalty_rows], t))
     if t.banned_ids is not None:
@@ -255,18 +237,18 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (words[:, vocab // 32] >> (vocab % 32).to(torch.int32)) & 1 == 1
 
 
-def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:
     """The penalty rows' logits (float32 [P, V]) with their penalties applied."""
     rows = t.penalty_rows
-    if t.seen_token_ids is not None:
+    if t.uses_repetition:
         # HF / CTRL style: push every seen token towards "less likely" whatever its sign.
-        seen = _scatter_count(t.seen_token_ids, t.rows.vocab_size) > 0
+        seen = _scatter_count(t.seen_token_ids, t.vocab_size) > 0
         penalty = t.column("repetition_penalty")[rows][:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
-    if t.output_token_ids is not None:
+    if t.uses_counts:
         # OpenAI style: subtract per generated occurrence (frequency) and once if any (presence).
-        counts = _scatter_count(t.output_token_ids, t.rows.vocab_size)
+        counts = _scatter_count(t.output_token_ids, t.vocab_size)
         logits = (
             logits
             - t.column("frequency_penalty")[rows][:, None] * counts
@@ -275,10 +257,9 @@ def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def _apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:
     """Set filtered-out logits to -inf. Each filter always keeps the most likely token."""
+    top_k, top_p, min_p = t.column("top_k").long(), t.column("top_p"), t.column("min_p")
     # Stable, so ties at the top-k boundary are cut the same way on every device.
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(logits.shape[1], device=logits.device)

@@ -1,5 +1,5 @@
-"""SamplingTensors from per-row host lists: what the runner builds from the persistent
-batch, made directly for the sampler's own tests."""
+"""SamplingRows on the device from per-row host lists: what the runner builds from the
+persistent batch, made directly for the sampler's own tests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.sampler import SamplingRows, SamplingTensors
+from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ def sampling_tensors(
     device: torch.device | str,
     counters: Sequence[int] | None = None,
     allowed: np.ndarray | None = None,
-) -> SamplingTensors:
+) -> SamplingRows[torch.Tensor]:
     """counters default to len(output_ids): each row has sampled its outputs so far."""
     counters = [len(o) for o in output_ids] if counters is None else counters
     rows = SamplingRows.build(params, seeds, counters, banned_ids, vocab_size, allowed)

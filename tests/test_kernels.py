@@ -150,7 +150,7 @@ def race_inputs(
     logits[5] = 0.0  # greedy over a flat row: 0
     is_greedy = torch.arange(rows, device=device) % 2 == 1
     temperature = torch.tensor([0.3, 0.7, 1.0, 1.7], device=device).repeat(rows)[:rows]
-    temperature = temperature.masked_fill(is_greedy, 1.0)  # as SamplingTensors holds it
+    temperature = temperature.masked_fill(is_greedy, 1.0)  # as SamplingRows holds it
     seeds = torch.randint(-(2**62), 2**62, (rows,), device=device)
     counters = torch.randint(0, 1000, (rows,), device=device)
     return logits.to(dtype), temperature, is_greedy, seeds, counters
