@@ -7,7 +7,8 @@ Per row, in order: repetition / presence / frequency penalties -> min_tokens ban
 Everything is vectorized on whatever device the logits live on, with no host<->device
 sync: the decisions that depend on the batch's parameters (skip penalties, skip filters,
 all greedy, skip logprobs) are made on the host from the SamplingParams, when
-SamplingRows.build makes the rows. The logits come in the model's dtype; each stage that needs float32 makes it.
+SamplingRows.build makes the rows. The logits come in the model's dtype; each stage that
+needs float32 makes it.
 In the common case (no penalty, ban or filter) a CUDA step is one Triton pass over the
 logits: temperature, noise, race and the greedy rows' argmax together.
 
@@ -17,7 +18,7 @@ The draw is counter-based, not a torch.Generator: engine/kernels/race.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -123,9 +124,7 @@ class SamplingRows(Generic[Array]):
         token histories."""
         tensors = iter(uploaded)
         moved = {n: next(tensors) for n in _UPLOADED if getattr(self, n) is not None}
-        histories = {"seen_token_ids": seen, "output_token_ids": output}
-        # Not dataclasses.replace, which checks each field on its way: this runs every step.
-        return SamplingRows(**{**vars(self), **moved, **histories})
+        return replace(self, **moved, seen_token_ids=seen, output_token_ids=output)
 
     def column(self, name: str) -> Array:
         """One of _ROW_NUMBERS, per row, as _row_numbers makes them."""
