@@ -81,17 +81,12 @@ class LoopOutput:
 
 @dataclass
 class Ready:
-    """The engine is built and warmed up; its first stats come before any step."""
-
-    info: EngineInfo
-    first: LoopOutput
+    info: EngineInfo  # of the engine built and warmed up, whose first stats came just before
 
 
 @dataclass
 class Failed:
-    """The engine could not start, or its loop died."""
-
-    error: str
+    error: str  # why the engine could not start, or why its loop died
 
 
 def run_engine_loop(
@@ -158,13 +153,14 @@ def run_core(
 ) -> bool:
     """An engine's life on the thread or in the process that runs its loop: build it, warm
     it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
-    the OpenMP pool must live, send Ready, and run the loop until a Stop. A failure at any
-    point is sent as Failed; returns whether it ended by a Stop."""
+    the OpenMP pool must live, send its first stats and Ready, and run the loop until a Stop.
+    A failure at any point is sent as Failed; returns whether it ended by a Stop."""
     try:
         engine = build()
         if warmup:
             warm_up(engine)
-        send(Ready(engine.info(), LoopOutput([], [], set(), engine.stats())))
+        send(LoopOutput([], [], set(), engine.stats()))
+        send(Ready(engine.info()))
         run_engine_loop(engine, take, send)
         return True
     except BaseException as exc:
@@ -205,7 +201,6 @@ class EngineCore:
             self._deliver(message)
         elif isinstance(message, Ready):
             self.info = message.info  # with the warm-up's time
-            self._deliver(message.first)
             self._started.set_result(None)
         elif not self._started.done():
             self._started.set_result(message.error)

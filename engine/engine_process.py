@@ -8,12 +8,12 @@ the H200). In a child process each has an interpreter of its own.
 
 How: the child is spawned (CUDA cannot be forked) and runs engine.async_engine.run_core,
 which builds the LLMEngine, warms it up (so the kernels are built in the process that runs
-them), reports ready with its EngineInfo and first stats, then runs the loop over two
-multiprocessing queues: requests in (Submit / Cancel / Stop), LoopOutputs out. Both
-queues have feeder threads, so a put never blocks either side: the event loop never waits
-for the child, and the child never waits for the parent. A reader thread in the parent
-takes each LoopOutput and hands it to AsyncEngine.deliver. The child exits when told to,
-or by itself when the parent is gone, so it never holds the GPU as an orphan.
+them), sends its first stats and Ready, then runs the loop over two multiprocessing
+queues: requests in (Submit / Cancel / Stop), what it sends out. Both queues have feeder
+threads, so a put never blocks either side: the event loop never waits for the child,
+and the child never waits for the parent. A reader thread in the parent hands what comes
+out to EngineCore.receive, as the thread core's loop does itself. The child exits when
+told to, or by itself when the parent is gone, so it never holds the GPU as an orphan.
 """
 
 from __future__ import annotations
