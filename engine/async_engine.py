@@ -19,9 +19,9 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 from engine.engine import LLMEngine
 from engine.errors import EngineError, ModelLoadError, ValidationError
@@ -81,17 +81,12 @@ class LoopOutput:
 
 @dataclass
 class Ready:
-    """The engine is built and warmed up; its first stats come before any step."""
-
-    info: EngineInfo
-    first: LoopOutput
+    info: EngineInfo  # of the engine built and warmed up, whose first stats came just before
 
 
 @dataclass
 class Failed:
-    """The engine could not start, or its loop died."""
-
-    error: str
+    error: str  # why the engine could not start, or why its loop died
 
 
 def run_engine_loop(
@@ -154,92 +149,95 @@ def run_core(
     build: Callable[[], LLMEngine],
     warmup: bool,
     take: Callable[[bool], list[Submit | Cancel | Stop]],
-    deliver: Callable[[LoopOutput], None],
-    report: Callable[[Ready | Failed], None],
+    send: Callable[[Ready | LoopOutput | Failed], None],
 ) -> bool:
     """An engine's life on the thread or in the process that runs its loop: build it, warm
     it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
-    the OpenMP pool must live, report Ready, and run the loop until a Stop. A failure at
-    any point is reported as Failed; returns whether it ended by a Stop."""
+    the OpenMP pool must live, send its first stats and Ready, and run the loop until a Stop.
+    A failure at any point is sent as Failed; returns whether it ended by a Stop."""
     try:
         engine = build()
         if warmup:
             warm_up(engine)
-        report(Ready(engine.info(), LoopOutput([], [], set(), engine.stats())))
-        run_engine_loop(engine, take, deliver)
+        send(LoopOutput([], [], set(), engine.stats()))
+        send(Ready(engine.info()))
+        run_engine_loop(engine, take, send)
         return True
     except BaseException as exc:
         log.exception("the engine failed to start, or its loop died")
-        report(Failed(f"{type(exc).__name__}: {exc}"))
+        send(Failed(f"{type(exc).__name__}: {exc}"))
         return False
 
 
-class EngineCore(Protocol):
-    """Where the loop runs. start() returns once the engine can take requests, having
-    delivered a first LoopOutput (its stats); the loop then hands each LoopOutput to
-    `deliver`, and calls `died` once if it ends any other way than by shutdown()."""
+class EngineCore:
+    """Where the loop runs: on a thread of this process (EngineThread) or in a child process
+    (engine/engine_process.py). Each sets _worker, the thread or process that runs run_core,
+    and _inbox, the queue.Queue or multiprocessing queue its take() drains; what run_core
+    sends comes back to receive().
 
+    start() returns once the engine can take requests, having delivered a first LoopOutput
+    (its stats); each later one goes to `deliver`, and `died` is called once if the loop
+    ends any other way than by shutdown(). put() never blocks and never refuses (neither
+    queue has a bound): AsyncEngine bounds what it lets in."""
+
+    name: str  # what errors call it
     info: EngineInfo
     tokenizer: Tokenizer
-
-    def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None: ...
-
-    def put(self, item: Submit | Cancel) -> None:
-        """Never blocks and never refuses: AsyncEngine bounds what it lets in."""
-        ...
-
-    def shutdown(self, timeout: float | None) -> None: ...
-
-    def is_alive(self) -> bool: ...
-
-
-class EngineThread:
-    """The loop on a thread of this process, sharing its interpreter with the event loop;
-    with `warmup`, start() returns only after the warm-up has run on that thread."""
-
-    def __init__(self, engine: LLMEngine, warmup: bool = True):
-        self.engine = engine
-        self.warmup = warmup
-        self.info = engine.info()
-        self.tokenizer = engine.tokenizer
-        self._inbox: queue.Queue[Submit | Cancel | Stop] = queue.Queue()
-        self._thread: threading.Thread | None = None
+    _stopping = False  # set by shutdown(), after which the loop's end is no news
 
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        started = threading.Event()
-        failed: list[str] = []
+        self._deliver, self._died = deliver, died
+        self._started: Future[str | None] = Future()  # None, or why it did not start
+        self._launch()
+        if (error := self._started.result()) is not None:
+            self.shutdown(5)
+            raise ModelLoadError(f"the {self.name} failed to start: {error}")
 
-        def report(message: Ready | Failed) -> None:
-            if isinstance(message, Ready):
-                self.info = message.info  # with the warm-up's time
-                deliver(message.first)
-            elif started.is_set():
-                died(f"engine loop died: {message.error}")
-            else:
-                failed.append(message.error)
-            started.set()
+    def _launch(self) -> None:
+        self._worker.start()
 
-        self._thread = threading.Thread(
-            target=run_core,
-            args=(lambda: self.engine, self.warmup, partial(drain, self._inbox), deliver, report),
-            name="engine-loop",
-            daemon=True,
-        )
-        self._thread.start()
-        started.wait()
-        if failed:
-            raise ModelLoadError(f"engine warm-up failed: {failed[0]}")
+    def receive(self, message: Ready | LoopOutput | Failed) -> None:
+        if isinstance(message, LoopOutput):
+            self._deliver(message)
+        elif isinstance(message, Ready):
+            self.info = message.info  # with the warm-up's time
+            self._started.set_result(None)
+        elif not self._started.done():
+            self._started.set_result(message.error)
+        elif not self._stopping:
+            log.error("the %s died: %s", self.name, message.error)
+            self._died(f"{self.name} died: {message.error}")
 
     def put(self, item: Submit | Cancel) -> None:
         self._inbox.put(item)
 
     def shutdown(self, timeout: float | None) -> None:
-        self._inbox.put(Stop())
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._stopping = True
+        if self._worker.is_alive():
+            self._inbox.put(Stop())
+            self._worker.join(timeout)
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._worker.is_alive()
+
+
+class EngineThread(EngineCore):
+    """The loop on a thread of this process, sharing its interpreter with the event loop;
+    with `warmup`, start() returns only after the warm-up has run on that thread."""
+
+    name = "engine loop"
+
+    def __init__(self, engine: LLMEngine, warmup: bool = True):
+        self.engine = engine
+        self.info = engine.info()
+        self.tokenizer = engine.tokenizer
+        self._inbox = queue.Queue()
+        self._worker = threading.Thread(
+            target=run_core,
+            args=(lambda: engine, warmup, partial(drain, self._inbox), self.receive),
+            name="engine-loop",
+            daemon=True,
+        )
 
 
 def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:

@@ -8,12 +8,12 @@ the H200). In a child process each has an interpreter of its own.
 
 How: the child is spawned (CUDA cannot be forked) and runs engine.async_engine.run_core,
 which builds the LLMEngine, warms it up (so the kernels are built in the process that runs
-them), reports ready with its EngineInfo and first stats, then runs the loop over two
-multiprocessing queues: requests in (Submit / Cancel / Stop), LoopOutputs out. Both
-queues have feeder threads, so a put never blocks either side: the event loop never waits
-for the child, and the child never waits for the parent. A reader thread in the parent
-takes each LoopOutput and hands it to AsyncEngine.deliver. The child exits when told to,
-or by itself when the parent is gone, so it never holds the GPU as an orphan.
+them), sends its first stats and Ready, then runs the loop over two multiprocessing
+queues: requests in (Submit / Cancel / Stop), what it sends out. Both queues have feeder
+threads, so a put never blocks either side: the event loop never waits for the child,
+and the child never waits for the parent. A reader thread in the parent hands what comes
+out to EngineCore.receive, as the thread core's loop does itself. The child exits when
+told to, or by itself when the parent is gone, so it never holds the GPU as an orphan.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from engine.async_engine import Cancel, Failed, LoopOutput, Ready, Stop, Submit, drain, run_core
+from engine.async_engine import EngineCore, Failed, LoopOutput, Stop, drain, run_core
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,83 +34,64 @@ log = logging.getLogger(__name__)
 LIVENESS_POLL_SECONDS = 0.5
 
 
-class EngineProcess:
+class EngineProcess(EngineCore):
+    name = "engine process"
+
     def __init__(self, config: EngineConfig, warmup: bool = True):
         """With `warmup`, the child runs engine/warmup.py before it reports ready."""
         self.config = config
         context = mp.get_context("spawn")
-        self._requests = context.Queue()
-        self._requests.cancel_join_thread()  # at exit, requests the child never read are moot
+        self._inbox = context.Queue()
+        self._inbox.cancel_join_thread()  # at exit, requests the child never read are moot
         self._outputs = context.Queue()
-        self._process = context.Process(
+        self._worker = context.Process(
             target=_child_main,
-            args=(config, self._requests, self._outputs, logging.getLogger().level, warmup),
+            args=(config, self._inbox, self._outputs, logging.getLogger().level, warmup),
             name="pagedserve-engine",
             daemon=True,
         )
-        self._reader: threading.Thread | None = None
-        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
 
     def start(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
         """Spawn the child and wait until its engine is built (model load, CUDA graphs)."""
-        self._process.start()
-        ready = self._next_output()
-        if not isinstance(ready, Ready):
-            self._process.join(5)
-            why = ready.error if ready else f"it exited with code {self._process.exitcode}"
-            raise ModelLoadError(f"the engine process failed to start: {why}")
-        self.info = ready.info
-        self.tokenizer = Tokenizer.from_path(ready.info.model_path)
-        deliver(ready.first)
-        self._reader = threading.Thread(
-            target=self._read, args=(deliver, died), name="engine-outputs", daemon=True
-        )
-        self._reader.start()
+        super().start(deliver, died)
+        self.tokenizer = Tokenizer.from_path(self.info.model_path)
 
-    def put(self, item: Submit | Cancel) -> None:
-        self._requests.put(item)
+    def _launch(self) -> None:
+        self._worker.start()
+        self._reader.start()  # after: the reader takes a child not alive for one that is gone
 
     def shutdown(self, timeout: float | None) -> None:
-        self._stopping = True
-        if self._process.is_alive():
-            self._requests.put(Stop())
-            self._process.join(timeout)
-        if self._process.is_alive():
+        super().shutdown(timeout)
+        if self._worker.is_alive():
             log.warning("engine process did not stop in %s s; terminating it", timeout)
-            self._process.terminate()
-            self._process.join(5)
-        if self._reader is not None:
+            self._worker.terminate()
+            self._worker.join(5)
+        if self._reader.is_alive():
             self._reader.join(timeout)
-
-    def is_alive(self) -> bool:
-        return self._process.is_alive()
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._worker.pid
 
-    def _read(self, deliver: Callable[[LoopOutput], None], died: Callable[[str], None]) -> None:
-        while isinstance(output := self._next_output(), LoopOutput):
-            deliver(output)
-        if not self._stopping:  # a Failed, or the child exited without one
-            error = output.error if output else "it exited"
-            log.error("engine process died (exit code %s): %s", self._process.exitcode, error)
-            died(f"engine process died: {error}")
-
-    def _next_output(self) -> LoopOutput | Ready | Failed | None:
-        """The child's next message; None once it is gone."""
+    def _read(self) -> None:
+        """Hands the child's messages to receive() until a Failed, or until it is gone."""
         while True:
             try:
-                return self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
+                message = self._outputs.get(timeout=LIVENESS_POLL_SECONDS)
             except queue.Empty:
                 # Once it is gone, all it sent is in the pipe (its feeder thread flushes
                 # before it exits), so an empty pipe means nothing more will come.
-                if not self._process.is_alive() and self._outputs.empty():
-                    return None
+                if self._worker.is_alive() or not self._outputs.empty():
+                    continue
+                message = Failed(f"it exited with code {self._worker.exitcode}")
             except Exception as exc:  # an output that cannot be unpickled: a bug, and fatal
                 log.exception("unreadable engine output")
-                self._process.terminate()
-                return Failed(f"unreadable output: {type(exc).__name__}: {exc}")
+                self._worker.terminate()
+                message = Failed(f"unreadable output: {type(exc).__name__}: {exc}")
+            self.receive(message)
+            if isinstance(message, Failed):
+                return
 
 
 # ---- in the child ------------------------------------------------------------------------
@@ -127,12 +107,12 @@ def _child_main(
 
     parent = mp.parent_process()
 
-    def take(block: bool) -> list[Submit | Cancel | Stop]:
+    def take(block: bool) -> list:
         items = drain(requests, block, timeout=LIVENESS_POLL_SECONDS)
         if not items and block and parent is not None and not parent.is_alive():
             return [Stop()]  # orphaned: free the device
         return items
 
     # A child exits only once its feeder thread has put every output into the pipe.
-    if not run_core(lambda: LLMEngine(config), warmup, take, outputs.put, outputs.put):
+    if not run_core(lambda: LLMEngine(config), warmup, take, outputs.put):
         raise SystemExit(1)
