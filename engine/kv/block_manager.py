@@ -188,7 +188,15 @@ class BlockManager:
         """Back to as built: every block free, the prefix cache empty, the stats zero. Only
         when no table holds a block (after a warm-up, say); the KV values stay, unread."""
         assert self.num_used_blocks == 0, f"{self.num_used_blocks} blocks are still held"
-        self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        # The Block objects stay: the engine froze them out of the collector's passes at
+        # start-up, and new ones would be walked by every full collection again.
+        for block_id in self._evictable_block_ids:  # only cached blocks keep content when free
+            self._blocks[block_id].content = None
+        self._free_block_ids = deque(range(self.num_blocks))
+        self._evictable_block_ids.clear()
+        self._cached_block_ids.clear()
+        self._next_prefix_id = itertools.count()
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- internals --------------------------------------------------------------------------
 
