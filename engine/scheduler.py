@@ -89,9 +89,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
 
         # A sequence whose last token is still in flight may already have all it will get.
-        active = [s for s in self.running if s.num_uncomputed_tokens > 0 and not s.has_all_tokens]
-        active.sort(key=lambda s: s.num_uncomputed_tokens > 1)  # decodes first, stable
-        for seq in active:
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:  # one pass, in priority order: this runs every step
+            uncomputed = seq.num_uncomputed_tokens
+            if uncomputed > 0 and not seq.has_all_tokens:
+                (decodes if uncomputed == 1 else prefills).append(seq)
+        for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
