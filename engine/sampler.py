@@ -31,8 +31,15 @@ _PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 
 
 
 # A sampled row's numbers, in this order after the greedy flag _row_numbers puts first.
-_ROW_NUMBERS = ("temperature", "top_k", "top_p", "min_p")
-_ROW_NUMBERS += ("repetition_penalty", "presence_penalty", "frequency_penalty")
+_ROW_NUMBERS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 # The arrays a SamplingRows uploads, in this order where they are not None.
 _UPLOADED = ("numbers", "greedy", "seeds", "counters", "banned_ids", "allowed", "penalty_rows")
 
