@@ -49,10 +49,6 @@ class SlotBook:
         self._token_writes: list[tuple[int, Sequence[int]]] = []  # (flat start, ids)
         self._block_writes: list[tuple[int, Sequence[int]]] = []
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def place(self, token_ids: Sequence[int], block_ids: list[int]) -> int:
         """A slot for a sequence that starts running: its rows get all it has."""
         slot = self._free.pop()

@@ -1,17 +1,13 @@
 """Runs one step on the model: a StepPlan of arrays -> forward -> logits -> samples.
 
 The runner owns what lives on the device: the KV pool (one tensor per layer, layout in
-engine/attention/base.py) and the persistent batch's tables (engine/batch.py). It knows
-nothing of requests: a step arrives as a StepPlan, arrays of slots, lengths and sampling
-parameters, with the changes to the tables since the step before.
-
-A step moves all its host arrays to the device in one asynchronous copy, writes the
-changes into the tables and reads its input ids and KV slots from them, then either
-replays a CUDA graph (a pure-decode step, engine/cuda_graphs.py) or plans attention and
-runs the model eagerly. The sampler's tokens go into the token table on the device, so
-the next step can be queued before they reach the host. execute() only queues that work
-and returns a LaunchedStep; collect() waits for it and reads the samples back: on CUDA
-the one host sync of a step, which the engine puts after queueing the next step.
+engine/attention/base.py) and the persistent batch's tables (engine/batch.py); it knows
+nothing of requests. execute() moves a StepPlan's arrays to the device in one asynchronous
+copy, writes its changes into the tables and reads its input ids and KV slots from them,
+replays a CUDA graph (a pure-decode step, engine/cuda_graphs.py) or runs the model
+eagerly, and queues the sampler, whose tokens go into the token table on the device: the
+next step can be queued before they reach the host. collect() waits and reads the samples
+back: on CUDA the one host sync of a step, which the engine puts after queueing the next.
 """
 
 from __future__ import annotations
@@ -292,8 +288,6 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Queue the sampling, the tokens' writes into the token table and their host copies."""
         counts = sampling.logprob_counts
-        if not counts:
-            return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
         out = self.sampler(logits, sampling)
         self.batch.write_tokens(targets, out.token_ids)
         outputs = [out.token_ids]

@@ -1,21 +1,17 @@
 """Iteration-level continuous batching under a token budget.
 
-Each step the scheduler picks, in this order, until the token budget
-(max_num_batched_tokens) or the sequence cap (max_num_seqs) runs out:
+Each step takes, in this order, until the token budget (max_num_batched_tokens) or the
+sequence cap (max_num_seqs) runs out: running decodes (one token, or one and its proposed
+tokens), then running prefills chunked in an earlier step, both by priority; then waiting
+sequences (new or preempted) by priority, FCFS among equals, from their longest cached
+prefix, a request's later candidates once its first has computed the prompt
+(Sequence.waits_for_prompt). An admitted sequence holds a slot of the persistent batch
+(engine/batch.py) until it is preempted or removed.
 
-  1. running decodes (one token each, or one and its proposed tokens), highest priority first;
-  2. running prefills that were chunked in an earlier step;
-  3. waiting sequences (new or preempted), highest priority first, FCFS among equals,
-     starting from their longest cached prefix; a request's later candidates once its
-     first has computed the prompt (Sequence.waits_for_prompt).
-
-A sequence admitted takes a slot of the persistent batch (engine/batch.py) and gives it
-back when it is preempted or removed; there are max_num_seqs slots.
-
-A chunk that needs KV blocks the pool does not have preempts the lowest-priority, latest-arrived
-running sequence not yet scheduled this step (preemption by recompute: its blocks are freed and
-it waits to be prefilled again). Every sequence fits the pool on its own (the engine checks at
-admission), so the highest-priority sequence can always make progress: no deadlock, no OOM.
+A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
+latest-arrived running sequence not scheduled this step (by recompute: its blocks are freed
+and it waits to be prefilled again). Every sequence fits the pool on its own (checked at
+admission), so the highest-priority one always progresses: no deadlock, no OOM.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_slot_book_sends_rows_once_then_only_what_changed():
     book.sync_blocks(b, [2, 11])
     assert book.take_changes().block_ids.tolist() == [11]
     book.release(a)
-    assert book.place([1], [3]) == a and book.num_free == 0
+    assert book.place([1], [3]) == a and len(book._free) == 0
 
 
 # ---- the device rows follow the sequences -------------------------------------------------

@@ -72,7 +72,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert p.slot is None
     slots = [s.slot for s in sched.running]
     assert None not in slots and len(set(slots)) == len(slots), "two sequences in one slot"
-    assert sched.slots.num_free == cfg.max_num_seqs - len(sched.running)
+    assert len(sched.slots._free) == cfg.max_num_seqs - len(sched.running)
 
 
 def has_work(sched: Scheduler) -> bool:

@@ -68,7 +68,7 @@ def assert_fresh(engine: LLMEngine) -> None:
     assert stats.num_running_requests == stats.num_waiting_requests == 0
     assert stats.num_kv_blocks_used == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.block_manager.num_cached_blocks == 0, "the prefix cache kept warm-up blocks"
+    assert not engine.block_manager._cached_block_ids, "the prefix cache kept warm-up blocks"
     assert stats.prefix_cache_queried_tokens == stats.prefix_cache_hit_tokens == 0
     assert stats.num_preemptions == 0
     assert stats.num_steps == stats.num_prompt_tokens_computed == stats.num_generated_tokens == 0

@@ -89,11 +89,6 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks published in the prefix cache, held or not."""
-        return len(self._cached_block_ids)
-
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         """Extra blocks `table` needs to hold `num_tokens` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(table.block_ids))
