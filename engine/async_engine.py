@@ -119,7 +119,7 @@ def run_engine_loop(
                 if isinstance(item, Stop):
                     return
                 if isinstance(item, Submit) and item.ticket in withdrawn:
-                    engine.count_abort(withdrawn[item.ticket].door, "inbox")
+                    engine.aborts[withdrawn[item.ticket].door, "inbox"] += 1
                     admissions.append((item.ticket, EngineError("cancelled before admission")))
                 elif isinstance(item, Submit):
                     error = _admit(engine, item)

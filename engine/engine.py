@@ -145,11 +145,8 @@ class LLMEngine:
         """Cancel a request; returns its final CANCELLED events (empty if unknown/finished).
         Counted in stats().aborts under door (who asked) and the stage the request was at."""
         if request_id in self.requests:
-            self.count_abort(door, self.requests[request_id].stage)
+            self.aborts[door, self.requests[request_id].stage] += 1
         return self._finish_request(request_id, FinishReason.CANCELLED, None)
-
-    def count_abort(self, door: str, stage: str) -> None:
-        self.aborts[door, stage] += 1
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -227,11 +224,10 @@ class LLMEngine:
         launched = self._launch(self.scheduler.schedule(), events)
         if previous is not None:
             events += self._collect(previous)
-        if launched is not None:
-            if self.config.uses_async_scheduling:
-                self._in_flight = launched
-            else:
-                events += self._collect(launched)
+        if launched is not None and not self.config.uses_async_scheduling:
+            events += self._collect(launched)
+        else:
+            self._in_flight = launched
         return events
 
     def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
