@@ -170,15 +170,13 @@ def run_core(
 
 
 class EngineCore:
-    """Where the loop runs: on a thread of this process (EngineThread) or in a child process
-    (engine/engine_process.py). Each sets _worker, the thread or process that runs run_core,
-    and _inbox, the queue.Queue or multiprocessing queue its take() drains; what run_core
-    sends comes back to receive().
-
-    start() returns once the engine can take requests, having delivered a first LoopOutput
-    (its stats); each later one goes to `deliver`, and `died` is called once if the loop
-    ends any other way than by shutdown(). put() never blocks and never refuses (neither
-    queue has a bound): AsyncEngine bounds what it lets in."""
+    """Where the loop runs: _worker, a thread of this process (EngineThread) or a child
+    process (engine/engine_process.py), runs run_core over _inbox (a queue.Queue or a
+    multiprocessing queue) and what it sends comes back to receive(). start() returns once
+    the engine can take requests and has delivered its first LoopOutput (its stats); later
+    ones go to `deliver`, and `died` is called once if the loop ends other than by
+    shutdown(). put() never blocks or refuses (neither queue has a bound): AsyncEngine
+    bounds what it lets in."""
 
     name: str  # what errors call it
     info: EngineInfo
@@ -348,10 +346,8 @@ class AsyncEngine:
         # Before anything is built from the request's sizes (n mailboxes here, a copy for
         # the engine's process): an n of 10**9 is refused, not allocated. The engine checks
         # again on admission.
-        info = self.info
-        validate_request(
-            params, priority, info.vocab_size, len(prompt_token_ids), info.max_model_len
-        )
+        vocab_size, max_model_len = self.info.vocab_size, self.info.max_model_len
+        validate_request(params, priority, vocab_size, len(prompt_token_ids), max_model_len)
         if self.num_queued >= self.max_queued_requests:
             raise EngineOverloaded(
                 f"request queue is full ({self.max_queued_requests} waiting); retry later"

@@ -295,7 +295,7 @@ class LLMEngine:
                     prompt_logprobs[i] = request.params.prompt_logprobs
             if not chunk.samples:
                 continue
-            proposed = seq.proposed[: chunk.num_proposed]
+            proposed = seq.proposed[: chunk.end - seq.num_tokens]  # those past its end
             seq.proposed = []
             if proposed:
                 book.write_tokens(seq.slot, seq.num_tokens, proposed)
@@ -384,13 +384,8 @@ class LLMEngine:
             request.timing.first_token = time.monotonic()
 
         text, reason = seq.next_text(token_id, self.eos_token_ids)
-        event = CandidateEvent(
-            request_id=request.request_id,
-            index=seq.index,
-            text=text,
-            token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
-        )
+        logprobs = [logprob] if logprob is not None else None
+        event = CandidateEvent(request.request_id, seq.index, text, [token_id], logprobs)
         if seq.index == 0 and request.prompt_logprobs is not None and seq.num_output_tokens == 1:
             event.prompt_logprobs = request.prompt_logprobs
         if reason is not None:

@@ -1,18 +1,15 @@
 """EngineProcess: the engine loop in a child process of its own (an AsyncEngine core).
 
-Why: the engine's host work per step (scheduling, input building, detokenizing) and the
-server's per-message work (one gRPC stream write per token per request) each need most of
-a core at GPU speed. On one interpreter they take turns holding its lock, and the step
-the GPU waits for gets stretched by the server's writes (benchmarks/RESULTS.md, serving on
-the H200). In a child process each has an interpreter of its own.
+Why: at GPU speed the engine's host work per step (scheduling, inputs, detokenizing) and
+the server's per-token gRPC writes each need most of a core. On one interpreter they take
+turns holding its lock, and the server's writes stretch the step the GPU waits for
+(benchmarks/RESULTS.md, serving on the H200); in a child process each has its own.
 
-How: the child is spawned (CUDA cannot be forked) and runs engine.async_engine.run_core,
-which builds the LLMEngine, warms it up (so the kernels are built in the process that runs
-them), sends its first stats and Ready, then runs the loop over two multiprocessing
-queues: requests in (Submit / Cancel / Stop), what it sends out. Both queues have feeder
-threads, so a put never blocks either side: the event loop never waits for the child,
-and the child never waits for the parent. A reader thread in the parent hands what comes
-out to EngineCore.receive, as the thread core's loop does itself. The child exits when
+How: the child is spawned (CUDA cannot be forked) and runs engine.async_engine.run_core
+(so the kernels are built in the process that runs them) over two multiprocessing queues:
+requests in, what it sends out. Both have feeder threads, so a put never blocks either
+side: the event loop never waits for the child, nor the child for the parent. A reader
+thread in the parent hands what comes out to EngineCore.receive. The child exits when
 told to, or by itself when the parent is gone, so it never holds the GPU as an orphan.
 """
 

@@ -1,19 +1,17 @@
 """Batched sampling: one row of logits per sequence -> next token id (+ logprobs).
 
 Per row, in order: repetition / presence / frequency penalties -> disallowed tokens (the
-mask hook's and the min_tokens ban's) at -inf -> temperature -> top-k -> top-p -> min-p
-(one descending sort shared by the three) -> sample. Greedy rows take the argmax of the
+mask hook's, the min_tokens ban's) at -inf -> temperature -> top-k -> top-p -> min-p (one
+descending sort shared by the three) -> sample. Greedy rows take the argmax of the
 penalised, masked logits and skip the rest.
 
-Everything is vectorized on whatever device the logits live on, with no host<->device
-sync: the decisions that depend on the batch's parameters (skip penalties, skip filters,
-all greedy, skip logprobs) are made on the host from the SamplingParams, when
-SamplingRows.build makes the rows. The logits come in the model's dtype; each stage that
-needs float32 makes it.
-In the common case (no penalty, mask or filter) a CUDA step is one Triton pass over the
-logits: temperature, noise, race and the greedy rows' argmax together.
-
-The draw is counter-based, not a torch.Generator: engine/kernels/race.py.
+Vectorized on the logits' device with no host<->device sync: what depends on the batch's
+parameters (skip penalties, skip filters, all greedy, skip logprobs) is decided on the host
+when SamplingRows.build makes the rows, so the device never has to report back. The logits
+come in the model's dtype; a stage that needs float32 makes it. In the common case (no
+penalty, mask or filter) a CUDA step is one Triton pass over the logits: temperature,
+noise, race and the greedy rows' argmax together. The draw is counter-based, not a
+torch.Generator: engine/kernels/race.py.
 """
 
 from __future__ import annotations
@@ -53,9 +51,7 @@ Array = TypeVar("Array", np.ndarray, torch.Tensor)
 @dataclass
 class SamplingRows(Generic[Array]):
     """A step's sampling parameters, one row per token to sample: what the runner uploads,
-    and then what the sampler reads. Decisions that depend on the whole batch (skip
-    penalties, filters, logprobs; all greedy) are made on the host, so the device never has
-    to report back."""
+    and then what the sampler reads."""
 
     numbers: Array  # float32 [len(_ROW_NUMBERS), R]
     greedy: Array  # bool [R]

@@ -40,11 +40,6 @@ class ScheduledChunk:
         """True when this chunk reaches the end of the sequence, so a token gets sampled."""
         return self.end >= self.seq.num_tokens
 
-    @property
-    def num_proposed(self) -> int:
-        """Proposed tokens it verifies, past the sequence's end."""
-        return max(0, self.end - self.seq.num_tokens)
-
 
 @dataclass
 class SchedulerOutput:

@@ -1,24 +1,22 @@
 """Paged-KV block bookkeeping: who owns which KV block, and which blocks can be reused.
 
-Pure Python, no tensors: the KV pool itself lives with the model (layout in
-engine/attention/base.py); this module only hands out block ids.
-
-Every block is in exactly one of three states:
+Pure Python, no tensors: the KV pool lives with the model (layout in
+engine/attention/base.py); this module only hands out block ids. Every block is in exactly
+one of three states, so free + evictable + used == num_blocks:
 
     free       ref_count == 0, holds nothing worth keeping      -> the free list (FIFO)
     evictable  ref_count == 0, published in the prefix cache    -> the LRU (oldest evicted first)
     used       ref_count  > 0, held by one or more block tables
 
-so free + evictable + used == num_blocks. Both free and evictable blocks can be allocated;
-an evictable block is only taken (and its cache entry dropped) when the free list is empty.
+Free and evictable blocks can both be allocated; an evictable one (its cache entry dropped)
+only once the free list is empty.
 
-Prefix caching: once a block is full and its KV computed, it is "registered" with the exact
-content it holds (its tokens and the prefix before them) and "published" under a chain hash
-(hash of the parent block's hash and the block's tokens) so a later prompt with the same
-prefix can share it instead of recomputing. Hashes may collide, so a hit is verified against
-the stored content before it is shared. A block's KV depends on every token before it, not
-only on its own, so the stored content names the parent prefix by a `prefix_id`: an id
-that, unlike hashes (which collide) and block ids (which are recycled), is never reused.
+Prefix caching: a full block whose KV is computed is "registered" with the exact content it
+holds (its tokens and the prefix before them) and "published" under a chain hash (of the
+parent block's hash and its tokens), so a later prompt with the same prefix shares it
+instead of recomputing. Hashes collide, so a hit is verified against the stored content. A
+block's KV depends on every token before it, so the content names the parent prefix by a
+`prefix_id`, which, unlike hashes (they collide) and block ids (recycled), is never reused.
 """
 
 from __future__ import annotations
