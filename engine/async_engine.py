@@ -230,12 +230,8 @@ class EngineThread(EngineCore):
         self.info = engine.info()
         self.tokenizer = engine.tokenizer
         self._inbox = queue.Queue()
-        self._worker = threading.Thread(
-            target=run_core,
-            args=(lambda: engine, warmup, partial(drain, self._inbox), self.receive),
-            name="engine-loop",
-            daemon=True,
-        )
+        args = (lambda: engine, warmup, partial(drain, self._inbox), self.receive)
+        self._worker = threading.Thread(target=run_core, args=args, name="engine-loop", daemon=True)
 
 
 def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:

@@ -55,13 +55,17 @@ class Proposer(Protocol):
         ...
 
 
+# Per sequence of a step that samples: (the sequence, its sample rows, the proposed tokens
+# they verify).
+_Samplers = list[tuple[Sequence, int, list[int]]]
+
+
 @dataclass
 class _StepInFlight:
     """A launched step, until its results are collected."""
 
     chunks: list[ScheduledChunk]
-    # per sequence that samples: (sequence, its sample rows, the proposed tokens verified)
-    samplers: list[tuple[Sequence, int, list[int]]]
+    samplers: _Samplers
     launched: LaunchedStep
     collect_before_next: bool  # the next schedule needs this step's tokens on the host
 
@@ -249,9 +253,8 @@ class LLMEngine:
         for chunk in sched.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
-            self.num_prompt_tokens_computed += max(
-                0, min(chunk.end, seq.num_prompt_tokens) - chunk.start
-            )
+            prompt_end = min(chunk.end, seq.num_prompt_tokens)
+            self.num_prompt_tokens_computed += max(0, prompt_end - chunk.start)
             # Blocks are published once the host knows all their tokens; a block whose
             # tokens are still on the device follows with a later step.
             known = min(chunk.end, len(seq.token_ids))
@@ -267,21 +270,16 @@ class LLMEngine:
             or any(seq.token_mask is not None for seq, _, _ in samplers),
         )
 
-    def _plan(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[StepPlan, list[tuple[Sequence, int, list[int]]]]:
-        """The step's arrays for the runner, and per sequence that samples: its rows and
-        the proposed tokens they verify."""
+    def _plan(self, chunks: list[ScheduledChunk]) -> tuple[StepPlan, _Samplers]:
+        """The step's arrays for the runner, and its samplers."""
         # Runs for every sequence of every step: plain loops over plain values.
         size = len(chunks)
         slots, query_lens, seq_lens, num_samples, num_prompt = (
             np.zeros(size, dtype=np.int32) for _ in range(5)
         )
-        params: list[SamplingParams] = []
-        seeds: list[int] = []
-        counters: list[int] = []
-        banned: list[list[int]] = []
-        samplers: list[tuple[Sequence, int, list[int]]] = []
+        # Per sampled row: its params, seed, counter and the ids it may not pick.
+        params, seeds, counters, banned = [], [], [], []
+        samplers: _Samplers = []
         masks: list[tuple[int, TokenMask]] = []  # (its first row, the mask)
         prompt_logprobs: dict[int, int] = {}
         book, vocab_size = self.scheduler.slots, self.model_config.vocab_size
@@ -316,14 +314,13 @@ class LLMEngine:
             allowed = np.full((len(params), -(-vocab_size // 32)), -1, dtype=np.int32)
             for row, mask in masks:
                 mask.fill_next(allowed[row])
-        sampling = SamplingRows.build(params, seeds, counters, banned, vocab_size, allowed)
         plan = StepPlan(
             slots=slots,
             query_lens=query_lens,
             seq_lens=seq_lens,
             num_samples=num_samples,
             num_prompt_tokens=num_prompt,
-            sampling=sampling,
+            sampling=SamplingRows.build(params, seeds, counters, banned, vocab_size, allowed),
             prompt_logprobs=prompt_logprobs,
             changes=book.take_changes(),
         )
@@ -401,9 +398,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.finish_reason, seq.error = reason, error
         event.finish_reason, event.matched_stop, event.error = reason, seq.matched_stop, error
-        event.usage = Usage(
-            request.num_prompt_tokens, seq.num_output_tokens, request.sequences[0].num_cached_tokens
-        )
+        cached = request.sequences[0].num_cached_tokens
+        event.usage = Usage(request.num_prompt_tokens, seq.num_output_tokens, cached)
         if request.finished:
             request.timing.finished = time.monotonic()
             self.requests.pop(request.request_id, None)

@@ -12,6 +12,7 @@ back: on CUDA the one host sync of a step, which the engine puts after queueing 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,12 +74,9 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     unpinned memory waits for every kernel queued before it."""
     if device.type == "cpu":
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    offsets, total = [], 0
-    for a in arrays:
-        offsets.append(total)
-        # Every part starts 16-byte aligned: Triton specializes a kernel on whether each
-        # pointer is, so parts that shifted with the batch size would recompile kernels.
-        total += -(-a.nbytes // 16) * 16
+    # Every part starts 16-byte aligned: Triton specializes a kernel on whether each
+    # pointer is, so parts that shifted with the batch size would recompile kernels.
+    *offsets, total = itertools.accumulate((-(-a.nbytes // 16) * 16 for a in arrays), initial=0)
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     staging_bytes = staging.numpy()
     for a, offset in zip(arrays, offsets, strict=True):
