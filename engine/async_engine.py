@@ -80,11 +80,6 @@ class LoopOutput:
 
 
 @dataclass
-class Ready:
-    info: EngineInfo  # of the engine built and warmed up, whose first stats came just before
-
-
-@dataclass
 class Failed:
     error: str  # why the engine could not start, or why its loop died
 
@@ -95,11 +90,9 @@ def run_engine_loop(
     deliver: Callable[[LoopOutput], None],
 ) -> None:
     """Drain the inbox, step, report; until a Stop. take(block) returns the items waiting
-    (block: wait a while for the first one, as there is nothing else to do).
-
-    The inbox is drained before every step, so a cancel that arrives during step t takes
-    its request out before step t + 1: a caller who leaves costs at most the step already
-    running."""
+    (block: wait a while for the first, as there is nothing else to do). Draining before
+    every step makes a cancel that arrives during step t take its request out before step
+    t + 1: a caller who leaves costs at most the step already running."""
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
 
     def report(admissions: list[tuple[int, EngineError | None]], events: list) -> None:
@@ -149,18 +142,19 @@ def run_core(
     build: Callable[[], LLMEngine],
     warmup: bool,
     take: Callable[[bool], list[Submit | Cancel | Stop]],
-    send: Callable[[Ready | LoopOutput | Failed], None],
+    send: Callable[[EngineInfo | LoopOutput | Failed], None],
 ) -> bool:
     """An engine's life on the thread or in the process that runs its loop: build it, warm
     it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
-    the OpenMP pool must live, send its first stats and Ready, and run the loop until a Stop.
+    the OpenMP pool must live, send its first stats, then its EngineInfo (it is ready), and
+    run the loop until a Stop.
     A failure at any point is sent as Failed; returns whether it ended by a Stop."""
     try:
         engine = build()
         if warmup:
             warm_up(engine)
         send(LoopOutput([], [], set(), engine.stats()))
-        send(Ready(engine.info()))
+        send(engine.info())
         run_engine_loop(engine, take, send)
         return True
     except BaseException as exc:
@@ -194,11 +188,11 @@ class EngineCore:
     def _launch(self) -> None:
         self._worker.start()
 
-    def receive(self, message: Ready | LoopOutput | Failed) -> None:
+    def receive(self, message: EngineInfo | LoopOutput | Failed) -> None:
         if isinstance(message, LoopOutput):
             self._deliver(message)
-        elif isinstance(message, Ready):
-            self.info = message.info  # with the warm-up's time
+        elif isinstance(message, EngineInfo):  # the engine is ready
+            self.info = message  # with the warm-up's time
             self._started.set_result(None)
         elif not self._started.done():
             self._started.set_result(message.error)

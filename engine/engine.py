@@ -213,13 +213,10 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------
 
     def step(self) -> list[CandidateEvent]:
-        """Schedule and queue a step; return the events of the step that finished.
-
-        With async scheduling the device runs ahead by one step: this call queues step t+1,
-        and only then waits for step t and turns its tokens into events, so the host's work
-        between two steps overlaps the device's. Without it (the CPU), each call runs its
-        own step start to end.
-        """
+        """Schedule and queue a step; return the events of the step that finished. With async
+        scheduling the device runs a step ahead: this call queues step t+1, and only then
+        waits for step t and turns its tokens into events, so the host's work between two
+        steps overlaps the device's. Without it (the CPU), each call runs its own step."""
         events: list[CandidateEvent] = []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and previous.collect_before_next:
