@@ -131,18 +131,15 @@ class Scheduler:
         while not self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + n):
             spared = {chunk.seq for chunk in out.chunks} | {seq}
             victim = next((s for s in reversed(self.running) if s not in spared), seq)
-            self._preempt(victim, out)
+            self.remove(victim)  # by recompute: it waits again, to start from its first token
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            out.preempted.append(victim)
+            self.add(victim)
             if victim is seq:
                 return False
         return True
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.remove(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(seq)
-        self.add(seq)
 
     def _match_prefix(self, seq: Sequence) -> None:
         if seq.index == 0 and seq.request.prompt_logprobs_pending:
