@@ -256,16 +256,12 @@ class LLMEngine:
             # tokens are still on the device follows with a later step.
             known = min(chunk.end, len(seq.token_ids))
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, known)
+        # Proposals and masks are made from the tokens so far, on the host.
+        collect_before_next = self.proposer is not None
         for seq, num_rows, _ in samplers:
             seq.num_tokens += num_rows  # those past the accepted proposals go at collect
-        return _StepInFlight(
-            chunks=sched.chunks,
-            samplers=samplers,
-            launched=launched,
-            # Proposals and masks are made from the tokens so far, on the host.
-            collect_before_next=self.proposer is not None
-            or any(seq.token_mask is not None for seq, _, _ in samplers),
-        )
+            collect_before_next = collect_before_next or seq.token_mask is not None
+        return _StepInFlight(sched.chunks, samplers, launched, collect_before_next)
 
     def _plan(self, chunks: list[ScheduledChunk]) -> tuple[StepPlan, _Samplers]:
         """The step's arrays for the runner, and its samplers."""

@@ -36,7 +36,6 @@ class EngineProcess(EngineCore):
 
     def __init__(self, config: EngineConfig, warmup: bool = True):
         """With `warmup`, the child runs engine/warmup.py before it reports ready."""
-        self.config = config
         context = mp.get_context("spawn")
         self._inbox = context.Queue()
         self._inbox.cancel_join_thread()  # at exit, requests the child never read are moot

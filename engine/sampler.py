@@ -200,7 +200,6 @@ def prompt_logprobs(
     logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of a prompt: row i of logits (any float dtype) predicts next_token_ids[i].
-
     Returns (logprob of next_token_ids [L], top-k ids [L, k], their logprobs [L, k]).
     Rows go through float32 _PROMPT_ROWS_PER_PASS at a time: a long prefill's logits stay
     in the model's dtype, and its float32 copies small beside them (the step's memory peak)."""
