@@ -294,10 +294,10 @@ class LLMEngine:
             samplers.append((seq, rows, proposed))
             if seq.token_mask is not None:
                 masks.append((len(params), seq.token_mask))
-            for j in range(rows):
-                # The row's token goes to position chunk.end - rows + 1 + j; its counter is
-                # the number of output tokens before it.
-                sampled_before = chunk.end - rows + 1 + j - seq.num_prompt_tokens
+            # Row j's token goes to position chunk.end - rows + 1 + j; its counter is the
+            # number of output tokens before it.
+            first = chunk.end - rows + 1 - seq.num_prompt_tokens
+            for sampled_before in range(first, first + rows):
                 params.append(request.params)
                 seeds.append(seq.seed)
                 counters.append(sampled_before)
