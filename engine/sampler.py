@@ -1,22 +1,20 @@
 """Batched sampling: one row of logits per sequence -> next token id (+ logprobs).
 
-Per row, in order: repetition / presence / frequency penalties -> disallowed tokens (the
-mask hook's, the min_tokens ban's) at -inf -> temperature -> top-k -> top-p -> min-p (one
-descending sort shared by the three) -> sample. Greedy rows take the argmax of the
-penalised, masked logits and skip the rest.
+Per row, in order: repetition / presence / frequency penalties -> min_tokens ban (-inf)
+-> temperature -> top-k -> top-p -> min-p (one descending sort shared by the three)
+-> sample. Greedy rows take the argmax of the penalised, banned logits and skip the rest.
 
 Vectorized on the logits' device with no host<->device sync: what depends on the batch's
 parameters (skip penalties, skip filters, all greedy, skip logprobs) is decided on the host
 when SamplingRows.build makes the rows, so the device never has to report back. The logits
 come in the model's dtype; a stage that needs float32 makes it. In the common case (no
-penalty, mask or filter) a CUDA step is one Triton pass over the logits: temperature,
-noise, race and the greedy rows' argmax together. The draw is counter-based, not a
+penalty, ban or filter) a CUDA step is one Triton pass over the logits: temperature, noise,
+race and the greedy rows' argmax together. The draw is counter-based, not a
 torch.Generator: engine/kernels/race.py.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
@@ -41,7 +39,7 @@ _ROW_NUMBERS = (
     "frequency_penalty",
 )
 # The arrays a SamplingRows uploads, in this order where they are not None.
-_UPLOADED = ("numbers", "greedy", "seeds", "counters", "allowed", "penalty_rows")
+_UPLOADED = ("numbers", "greedy", "seeds", "counters", "banned_ids", "allowed", "penalty_rows")
 
 # What the uploaded fields hold: numpy arrays on the host, where build() makes them; tensors
 # on the device in the copy on_device() returns, which the sampler reads.
@@ -57,9 +55,11 @@ class SamplingRows(Generic[Array]):
     greedy: Array  # bool [R]
     seeds: Array  # int64 [R]
     counters: Array  # int64 [R]: output tokens sampled before this one
-    # int32 [R, ceil(vocab / 32)], bit v % 32 of word v // 32 set where token v may be
-    # picked: the logits mask hook's rows, with the ids each row bans cleared (EOS and stop
-    # ids while below min_tokens); all ones on other rows. None: no row has a mask or a ban.
+    # int64 [R, N], padded with vocab_size: ids a row may not pick (EOS and stop ids while
+    # below min_tokens); None when no row bans any.
+    banned_ids: Array | None
+    # The logits mask hook: int32 [R, ceil(vocab / 32)], bit v % 32 of word v // 32 set
+    # where token v may be picked (all ones on rows without a mask); None: no row has one.
     allowed: Array | None
     penalty_rows: Array | None  # int64 [P]: rows with a penalty, whose history is read
     logprob_counts: list[int | None]  # per row, its params' logprobs (None: not asked)
@@ -103,7 +103,8 @@ class SamplingRows(Generic[Array]):
             greedy=greedy,
             seeds=np.asarray(seeds, dtype=np.int64),
             counters=np.asarray(counters, dtype=np.int64),
-            allowed=_banned(allowed, banned_ids, vocab_size) if any(banned_ids) else allowed,
+            banned_ids=_padded(banned_ids, vocab_size) if any(banned_ids) else None,
+            allowed=allowed,
             penalty_rows=penalised.astype(np.int64) if len(penalised) else None,
             logprob_counts=[p.logprobs for p in params],
             vocab_size=vocab_size,
@@ -143,18 +144,12 @@ def _row_numbers(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
     return (0.0, p.temperature, top_k, p.top_p, p.min_p, *penalties)
 
 
-def _banned(
-    allowed: np.ndarray | None, banned_ids: Sequence[Sequence[int]], vocab_size: int
-) -> np.ndarray:
-    """allowed (all ones where None), with row r's bit cleared in place for each of
-    banned_ids[r]."""
-    if allowed is None:
-        allowed = np.full((len(banned_ids), -(-vocab_size // 32)), -1, dtype=np.int32)
-    rows = np.repeat(np.arange(len(banned_ids)), [len(ids) for ids in banned_ids])
-    ids = np.fromiter(itertools.chain.from_iterable(banned_ids), dtype=np.uint32)
-    # .at, not &=: two ids in one word must both clear their bit.
-    np.bitwise_and.at(allowed.view(np.uint32), (rows, ids // 32), ~(np.uint32(1) << ids % 32))
-    return allowed
+def _padded(rows: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
+    width = max(len(row) for row in rows)
+    padded = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return padded
 
 
 @dataclass
@@ -222,15 +217,18 @@ def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _penalise_and_ban(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:
-    """The logits as they are when no row has a penalty or a mask; else a float32 copy
-    with the penalties applied and every id a row may not pick at -inf."""
-    if t.penalty_rows is None and t.allowed is None:
+    """The logits as they are when no row has a penalty, a ban or a mask; else a float32
+    copy with the penalties applied and every id a row may not pick at -inf."""
+    if t.penalty_rows is None and t.banned_ids is None and t.allowed is None:
         return logits
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
+    vocab = t.vocab_size
     if t.penalty_rows is not None:
         logits = logits.index_copy(0, t.penalty_rows, _apply_penalties(logits[t.penalty_rows], t))
+    if t.banned_ids is not None:
+        logits = logits.masked_fill(_scatter_count(t.banned_ids, vocab) > 0, float("-inf"))
     if t.allowed is not None:
-        logits = logits.masked_fill(~unpack_bitmask(t.allowed, t.vocab_size), float("-inf"))
+        logits = logits.masked_fill(~unpack_bitmask(t.allowed, vocab), float("-inf"))
     return logits
 
 

@@ -111,7 +111,7 @@ class StepSpy:
                                     for c in chunks),
                     params=[seq.request.params for seq, rows, _ in samplers for _ in range(rows)],
                     prompt_logprobs=bool(plan.prompt_logprobs),
-                    banned=plan.sampling.allowed is not None,  # warm-up uses no token masks
+                    banned=plan.sampling.banned_ids is not None,
                 )
             )  # fmt: skip
             return plan, samplers
