@@ -147,8 +147,8 @@ def run_core(
     """An engine's life on the thread or in the process that runs its loop: build it, warm
     it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
     the OpenMP pool must live, send its first stats, then its EngineInfo (it is ready), and
-    run the loop until a Stop.
-    A failure at any point is sent as Failed; returns whether it ended by a Stop."""
+    run the loop until a Stop. A failure at any point is sent as Failed; returns whether it
+    ended by a Stop."""
     try:
         engine = build()
         if warmup:
