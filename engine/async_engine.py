@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,9 @@ from engine.tokenizer import Tokenizer
 from engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+# How long an idle loop waits on a compiling constraint before it looks at its inbox again.
+_COMPILE_POLL_SECONDS = 0.01
 
 
 class EngineOverloaded(EngineError):
@@ -94,6 +98,7 @@ def run_engine_loop(
     every step makes a cancel that arrives during step t take its request out before step
     t + 1: a caller who leaves costs at most the step already running."""
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
+    compiling: dict[int, _Compiling] = {}  # ticket -> a Submit whose constraint compiles
 
     def report(admissions: list[tuple[int, EngineError | None]], events: list) -> None:
         finished = {e.request_id for e in events if e.request_id not in engine.requests}
@@ -102,39 +107,74 @@ def run_engine_loop(
         deliver(LoopOutput(admissions, events, finished, engine.stats()))
 
     while True:
-        items = take(not engine.has_unfinished_requests)
-        if items:
-            admissions, events = [], []
-            withdrawn = {
-                i.ticket: i for i in items if isinstance(i, Cancel) and i.ticket is not None
-            }
-            for item in items:
-                if isinstance(item, Stop):
-                    return
-                if isinstance(item, Submit) and item.ticket in withdrawn:
-                    engine.aborts[withdrawn[item.ticket].door, "inbox"] += 1
-                    admissions.append((item.ticket, EngineError("cancelled before admission")))
-                elif isinstance(item, Submit):
-                    error = _admit(engine, item)
-                    if error is None:
-                        tickets[item.request_id] = item.ticket
-                    admissions.append((item.ticket, error))
-                elif item.ticket is None or tickets.get(item.request_id) == item.ticket:
+        items = take(not engine.has_unfinished_requests and not compiling)
+        admissions, events = [], []
+        withdrawn = {i.ticket: i for i in items if isinstance(i, Cancel) and i.ticket is not None}
+        for item in items:
+            if isinstance(item, Stop):
+                return
+            if isinstance(item, Submit) and item.ticket in withdrawn:
+                engine.aborts[withdrawn[item.ticket].door, "inbox"] += 1
+                admissions.append((item.ticket, EngineError("cancelled before admission")))
+            elif isinstance(item, Submit) and item.params.constraint is not None:
+                grammar = engine.grammars.start(item.params.constraint)
+                compiling[item.ticket] = _Compiling(item, grammar, time.monotonic())
+            elif isinstance(item, Submit):
+                admissions.append((item.ticket, _admit(engine, item, tickets)))
+            else:
+                for ticket in [t for t, c in compiling.items() if c.cancelled_by(item)]:
+                    del compiling[ticket]
+                    engine.aborts[item.door, "compiling"] += 1
+                    admissions.append((ticket, EngineError("cancelled before admission")))
+                if item.ticket is None or tickets.get(item.request_id) == item.ticket:
                     events += engine.abort_request(item.request_id, item.door)
-            # Reported before the step: a refused submit hears at once, and admitted
-            # requests count as waiting while the step runs.
+        # A compiled constraint's Submit is admitted now; one past the time limit refused.
+        limit = engine.grammars.time_limit if compiling else 0.0
+        for ticket, waiting in list(compiling.items()):
+            if waiting.grammar.done() or time.monotonic() - waiting.started > limit:
+                del compiling[ticket]
+                admissions.append((ticket, _admit(engine, waiting.submit, tickets, waiting)))
+        # Reported before the step: a refused submit hears at once, and admitted
+        # requests count as waiting while the step runs.
+        if items or admissions:
             report(admissions, events)
         if engine.has_unfinished_requests:
             report([], engine.step())
+        elif compiling:  # nothing to step: wait for a compile, not in a busy loop
+            futures.wait([c.grammar for c in compiling.values()], timeout=_COMPILE_POLL_SECONDS)
 
 
-def _admit(engine: LLMEngine, item: Submit) -> EngineError | None:
+@dataclass
+class _Compiling:
+    """A Submit whose constraint compiles off the loop (engine/grammar.py)."""
+
+    submit: Submit
+    grammar: Future
+    started: float
+
+    def cancelled_by(self, cancel: Cancel) -> bool:
+        request_id, ticket = self.submit.request_id, self.submit.ticket
+        return cancel.request_id == request_id and cancel.ticket in (None, ticket)
+
+
+def _admit(
+    engine: LLMEngine, item: Submit, tickets: dict[str, int], compiled: _Compiling | None = None
+) -> EngineError | None:
+    """Add the Submit's request to the engine (with its compiled constraint's masks); the
+    error that refused it, or None."""
     try:
-        engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
+        token_mask = None
+        if compiled is not None:
+            grammar = engine.grammars.result(compiled.grammar, item.params.constraint, wait=False)
+            token_mask = engine.grammars.masks(grammar)
+        engine.add_request(
+            item.request_id, item.prompt_token_ids, item.params, item.priority, token_mask
+        )
     except ValidationError as exc:
         return exc
     except Exception as exc:  # as a plain EngineError, which pickles whatever it wrapped
         return EngineError(f"{type(exc).__name__}: {exc}")
+    tickets[item.request_id] = item.ticket
     return None
 
 

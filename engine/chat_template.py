@@ -10,6 +10,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -48,7 +49,8 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> tuple[jinja2.Template, frozenset[str]]:
+    """The template, and the names of the variables it reads (messages, tools, ...)."""
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -58,6 +60,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     try:
-        return environment.from_string(source)
+        variables = jinja2.meta.find_undeclared_variables(environment.parse(source))
+        return environment.from_string(source), frozenset(variables)
     except jinja2.TemplateSyntaxError as exc:
         raise ModelLoadError(f"the model's chat template does not parse: {exc}") from exc

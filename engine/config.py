@@ -75,6 +75,9 @@ class EngineConfig:
     # <dir>/.cache/flashinfer), so a kernel built once (`pagedserve warmup`) is loaded, not
     # compiled, by every later start. None: their own defaults under the home directory.
     kernel_cache_dir: str | None = None
+    # Structured output: a constraint not compiled in this many seconds is refused (its
+    # compile finishes unread on the compiler's thread).
+    grammar_compile_timeout: float = 10.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -87,6 +90,11 @@ class EngineConfig:
             raise ValidationError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kernel_cache_dir is not None and not self.kernel_cache_dir.strip():
             raise ValidationError("kernel_cache_dir", "must not be empty")
+        if not 0 < self.grammar_compile_timeout < float("inf"):
+            raise ValidationError(
+                "grammar_compile_timeout",
+                f"must be a finite number > 0, got {self.grammar_compile_timeout}",
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")
 

@@ -19,7 +19,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.startup import start_up
 from engine.stats import EngineInfo, EngineStats
 from engine.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,16 @@ class LLMEngine:
         bounds = f" (model {mc.max_position_embeddings}, KV pool {self.pool_tokens})"
         return PromptEncoder(self.tokenizer, mc.vocab_size, self.max_model_len, bounds)
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured output's constraints for this engine's tokenizer. Built on
+        first use (the warm-up uses it): xgrammar takes ~2 s to import, transformers with it."""
+        from engine.grammar import GrammarCompiler
+
+        vocab_size, timeout = self.model_config.vocab_size, self.config.grammar_compile_timeout
+        eos = sorted(self.eos_token_ids)
+        return GrammarCompiler(self.tokenizer, vocab_size, eos, time_limit=timeout)
+
     def add_request(
         self,
         request_id: str,
@@ -112,12 +125,15 @@ class LLMEngine:
         token_mask: Callable[[], TokenMask] | None = None,
     ) -> Request:
         """Admit a request: its n candidates wait to be scheduled. token_mask, when given,
-        makes each candidate's mask of the tokens it may sample."""
+        makes each candidate's mask of the tokens it may sample; else params.constraint's
+        is compiled here, waiting (the engine loop compiles before it admits)."""
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         validate_request(params, priority, self.model_config.vocab_size)
         # Here for every request: a caller may hand over ids it built itself.
         max_tokens = self.prompts.check(prompt_token_ids, params.max_tokens)
+        if token_mask is None and params.constraint is not None:
+            token_mask = self.grammars.masks(self.grammars.compile(params.constraint))
 
         request = Request(
             request_id=request_id,

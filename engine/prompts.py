@@ -18,6 +18,7 @@ from engine.errors import ValidationError
 from engine.sampling_params import check_count, check_prompt_length
 from engine.stats import EngineInfo
 from engine.tokenizer import Tokenizer
+from engine.tool_calls import ToolUse, template_messages
 
 # Messages in one chat prompt. Each renders to a few tokens at least, so more cannot fit
 # any context this serves; bounded before a message is copied out of the request.
@@ -52,9 +53,10 @@ class PromptEncoder:
         token_ids: Sequence[int] | None = None,
         add_special_tokens: bool = True,
         as_dict: Callable[[Message], dict[str, Any]] = lambda m: m,
+        tools: ToolUse | None = None,
     ) -> list[int]:
-        """A prompt's token ids, from exactly one of text, chat messages or token ids,
-        checked (check()) but for max_tokens."""
+        """A prompt's token ids, from exactly one of text, chat messages (offered `tools`)
+        or token ids, checked (check()) but for max_tokens."""
         if sum(x is not None for x in (text, messages, token_ids)) != 1:
             raise ValidationError(
                 "prompt", "give exactly one of prompt, prompt_token_ids, messages"
@@ -63,7 +65,11 @@ class PromptEncoder:
             self.check(token_ids)  # before the ids are copied into a list
             return list(token_ids)
         ids = self.tokenize(
-            text, messages=messages, add_special_tokens=add_special_tokens, as_dict=as_dict
+            text,
+            messages=messages,
+            add_special_tokens=add_special_tokens,
+            as_dict=as_dict,
+            tools=tools,
         )
         self.check(ids)
         return ids
@@ -76,11 +82,13 @@ class PromptEncoder:
         add_special_tokens: bool = True,
         field: str = "prompt",
         as_dict: Callable[[Message], dict[str, Any]] = lambda m: m,
+        tools: ToolUse | None = None,
     ) -> list[int]:
         """Token ids of exactly one of text or chat messages, unchecked but for their size:
         text that cannot fit the context is refused (naming `field`), and so are more than
         MAX_CHAT_MESSAGES messages. as_dict makes a message the template's dict (the
-        template checks what it gets)."""
+        template checks what it gets); the tools and the calls in the messages reach the
+        template as engine/tool_calls.py's template_messages says."""
         if (text is None) == (messages is None):
             raise ValidationError("prompt", "give exactly one of prompt, messages")
         if text is not None:
@@ -88,8 +96,11 @@ class PromptEncoder:
                 text, add_special_tokens, max_tokens=self.context, field=field
             )
         check_count("messages", len(messages), MAX_CHAT_MESSAGES, "messages")
+        dicts, template_tools = template_messages(
+            [as_dict(m) for m in messages], tools, self.tokenizer
+        )
         rendered = self.tokenizer.apply_chat_template(
-            [as_dict(m) for m in messages], add_generation_prompt=True
+            dicts, add_generation_prompt=True, tools=template_tools
         )
         # The template writes the special tokens itself, so encoding adds none.
         return self.tokenizer.encode(

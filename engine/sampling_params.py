@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.constraints import Constraint
 from engine.errors import ValidationError
 
 MAX_N = 64  # candidates per request
@@ -42,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # 0..20 top alternatives (0 = only the chosen token's logprob)
     prompt_logprobs: int | None = None  # 0..20
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # what the output must match (structured output)
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +92,14 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
+        if self.constraint is not None:
+            self.constraint.validate()
+            # A constrained output ends with EOS where its grammar ends: nothing may hold
+            # EOS back past that point.
+            if self.ignore_eos:
+                raise ValidationError("ignore_eos", "cannot be set with a constraint")
+            if self.min_tokens:
+                raise ValidationError("min_tokens", "cannot be set with a constraint")
 
 
 def validate_request(

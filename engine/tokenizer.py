@@ -53,8 +53,10 @@ class Tokenizer:
             if token.special
         )
         self.chat_template = chat_template
-        self._compiled_chat_template = (
-            compile_chat_template(chat_template) if chat_template is not None else None
+        self._compiled_chat_template, self.chat_template_variables = (
+            compile_chat_template(chat_template)
+            if chat_template is not None
+            else (None, frozenset())
         )
 
     @classmethod

@@ -17,7 +17,8 @@ vocabulary) and runs them through add_request / step to completion:
   - a pure-decode step of every CUDA-graph batch size that traffic can reach;
   - the sampler's paths: greedy, the plain seeded race, top-k / top-p / min-p, penalties,
     min_tokens bans, logprobs with and without alternatives, prompt logprobs, n > 1
-    (the later candidates start behind a prefix hit), stop strings and stop token ids.
+    (the later candidates start behind a prefix hit), stop strings and stop token ids, a
+    structured-output token mask (which builds the grammar compiler, too).
 
 Then it leaves the engine as if fresh (LLMEngine.reset_state): no requests, no blocks
 used, the prefix cache empty, every counter zero, so metrics count only real traffic.
@@ -35,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.attention.flashinfer_backend import TENSOR_CORE_MIN_BATCH
+from engine.constraints import Constraint
 from engine.engine import LLMEngine
 from engine.errors import EngineError
 from engine.outputs import FinishReason
@@ -118,6 +120,8 @@ def sampler_variants(vocab: int) -> list[SamplingParams]:
             include_stop_str_in_output=True,
         ),
         SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True),  # n > 1
+        # a token mask applied (structured output; this also builds the grammar compiler)
+        SamplingParams(temperature=0.0, max_tokens=6, constraint=Constraint("json_object")),
     ]
 
 

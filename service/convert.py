@@ -5,9 +5,13 @@ message itself are raised here."""
 
 from __future__ import annotations
 
+import json
+import re
+
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import ValidationError
 from engine.outputs import (
     CandidateEvent,
@@ -21,6 +25,7 @@ from engine.outputs import (
 from engine.prompts import PromptEncoder
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, check_count
 from engine.tokenizer import Tokenizer
+from engine.tool_calls import MAX_TOOLS, ParsedText, ToolCallReader, ToolUse, assemble
 from pagedserve.v1 import inference_pb2 as pb
 
 _FINISH_REASONS = {
@@ -31,6 +36,13 @@ _FINISH_REASONS = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
     FinishReason.CONTEXT_LIMIT: pb.FINISH_REASON_CONTEXT_LIMIT,
 }
+_TOOL_CHOICES = {
+    pb.TOOL_CHOICE_AUTO: "auto",
+    pb.TOOL_CHOICE_NONE: "none",
+    pb.TOOL_CHOICE_REQUIRED: "required",
+    pb.TOOL_CHOICE_FUNCTION: "function",
+}
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def parse(message_type: type[Message], data: bytes) -> Message:
@@ -90,8 +102,9 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    """The request's options as SamplingParams; unset fields keep the engine's defaults."""
+def sampling_params(request: pb.GenerateRequest, tools: ToolUse | None = None) -> SamplingParams:
+    """The request's options as SamplingParams; unset fields keep the engine's defaults.
+    tools: tool_use()'s; a forced call is a constraint on the answer."""
     s, stop, out = request.sampling, request.stopping, request.output
     # Counted before they are copied: a message can hold millions of entries.
     check_count("stop", len(stop.stop), MAX_STOP_STRINGS, "stop strings")
@@ -123,17 +136,74 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         for name in names:
             if message.HasField(name):
                 setattr(params, name, getattr(message, name))
+    params.constraint = constraint(request)
+    if tools is not None:
+        tools.constrain(params)
     return params
 
 
-def prompt_token_ids(request: pb.GenerateRequest, prompts: PromptEncoder) -> list[int]:
+def constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint oneof as a Constraint naming its field; None if unset."""
+    kind = request.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not request.json_object:
+            raise ValidationError("json_object", "set it to true, or leave it unset")
+        return Constraint("json_object", field=kind)
+    if kind == "choice":
+        check_count("choice.choices", len(request.choice.choices), MAX_CHOICES, "choices")
+        return Constraint(kind, tuple(request.choice.choices), field="choice.choices")
+    return Constraint(kind, getattr(request, kind), field=kind)
+
+
+def tool_use(request: pb.GenerateRequest, parser: str) -> ToolUse | None:
+    """The request's tools and tool_choice; None when it offers none. parser: the format
+    the served model writes calls in."""
+    if not request.tools:
+        if request.tool_choice in (pb.TOOL_CHOICE_REQUIRED, pb.TOOL_CHOICE_FUNCTION):
+            raise ValidationError("tool_choice", "needs tools")
+        return None
+    if request.WhichOneof("prompt") != "chat":
+        raise ValidationError("tools", "are offered in chat prompts only")
+    check_count("tools", len(request.tools), MAX_TOOLS, "tools")
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if not _FUNCTION_NAME.fullmatch(tool.name):
+            raise ValidationError(f"tools[{i}].name", "must match [A-Za-z0-9_-]{1,64}")
+        function = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except ValueError as exc:
+                raise ValidationError(
+                    f"tools[{i}].parameters", f"is not valid JSON: {exc}"
+                ) from None
+            if not isinstance(function["parameters"], dict):
+                raise ValidationError(f"tools[{i}].parameters", "must be a JSON Schema object")
+        tools.append({"type": "function", "function": function})
+    choice = _TOOL_CHOICES.get(request.tool_choice)
+    if choice is None:
+        raise ValidationError("tool_choice", f"unknown value {request.tool_choice}")
+    if request.tool_function and choice != "function":
+        raise ValidationError("tool_function", "is set only with TOOL_CHOICE_FUNCTION")
+    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+    function = request.tool_function or None
+    return ToolUse(tuple(tools), choice, function, parallel, parser)
+
+
+def prompt_token_ids(
+    request: pb.GenerateRequest, prompts: PromptEncoder, tools: ToolUse | None = None
+) -> list[int]:
     """The prompt's token ids, whichever of text / chat / token_ids the request carries,
-    checked (PromptEncoder.prompt)."""
+    checked (PromptEncoder.prompt); a chat offered `tools`."""
     kind = _chosen(request, "prompt")
     if kind == "text":
         return prompts.prompt(request.text)
     if kind == "chat":
-        return prompts.prompt(messages=request.chat.messages, as_dict=_message)
+        return prompts.prompt(messages=request.chat.messages, as_dict=_message, tools=tools)
     return prompts.prompt(token_ids=request.token_ids.ids)
 
 
@@ -155,8 +225,19 @@ def _chosen(request: pb.GenerateRequest | pb.TokenizeRequest, oneof: str) -> str
     return kind
 
 
-def _message(message: pb.ChatMessage) -> dict[str, str]:
-    return {"role": message.role, "content": message.content}
+def _message(message: pb.ChatMessage) -> dict[str, object]:
+    """A chat message as the template gets it, in OpenAI's shape."""
+    result: dict[str, object] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id:
+        result["tool_call_id"] = message.tool_call_id
+    if message.name:
+        result["name"] = message.name
+    return result
 
 
 def token_logprobs(
@@ -214,17 +295,26 @@ def _set_ending(
     message.error = error or ""
 
 
-def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateStreamResponse:
+def stream_message(
+    event: CandidateEvent, tokenizer: Tokenizer, tool_calls: ToolCallReader
+) -> pb.GenerateStreamResponse:
+    parsed = tool_calls.parse(event.index, event.text, event.finished)
     message = pb.GenerateStreamResponse(
         request_id=event.request_id,
         index=event.index,
-        text=event.text,
+        text=parsed.content,
         token_ids=event.token_ids,
         logprobs=token_logprobs(event.logprobs, tokenizer),
         prompt_logprobs=token_logprobs(event.prompt_logprobs, tokenizer),
+        tool_calls=[
+            pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "", arguments=d.arguments)
+            for d in parsed.tool_calls
+        ],
     )
     if event.finished:
         _set_ending(message, event.finish_reason, event.matched_stop, event.error)
+        if tool_calls.ended_calling(event.index, event.finish_reason):
+            message.finish_reason = pb.FINISH_REASON_TOOL_CALLS
         if event.usage is not None:
             message.usage.CopyFrom(usage(event.usage))
         if event.timing is not None:
@@ -232,10 +322,12 @@ def stream_message(event: CandidateEvent, tokenizer: Tokenizer) -> pb.GenerateSt
     return message
 
 
-def generate_response(output: RequestOutput, tokenizer: Tokenizer) -> pb.GenerateResponse:
+def generate_response(
+    output: RequestOutput, tokenizer: Tokenizer, tool_calls: ToolCallReader
+) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
         request_id=output.request_id,
-        candidates=[_candidate(out, tokenizer) for out in output.outputs],
+        candidates=[_candidate(out, tokenizer, tool_calls) for out in output.outputs],
         prompt_logprobs=token_logprobs(output.prompt_logprobs, tokenizer),
         usage=usage(output.usage),
     )
@@ -244,13 +336,22 @@ def generate_response(output: RequestOutput, tokenizer: Tokenizer) -> pb.Generat
     return response
 
 
-def _candidate(out: CompletionOutput, tokenizer: Tokenizer) -> pb.Candidate:
+def _candidate(
+    out: CompletionOutput, tokenizer: Tokenizer, tool_calls: ToolCallReader
+) -> pb.Candidate:
+    parsed: ParsedText = tool_calls.parse(out.index, out.text, True)
     candidate = pb.Candidate(
         index=out.index,
-        text=out.text,
+        text=parsed.content,
         token_ids=out.token_ids,
         logprobs=token_logprobs(out.logprobs, tokenizer),
+        tool_calls=[
+            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+            for c in assemble(parsed.tool_calls)
+        ],
     )
     if out.finish_reason is not None:
         _set_ending(candidate, out.finish_reason, out.matched_stop, out.error)
+        if tool_calls.ended_calling(out.index, out.finish_reason):
+            candidate.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     return candidate

@@ -1,7 +1,8 @@
 """The rules every front door (gRPC, REST) applies around a generation, in one place so
 the doors agree: whether a warm engine takes work (loading and draining refuse it), whether
 a request names the model served here, whether a caller holds the API key, how a prompt
-is encoded (engine/prompts.py, held to the engine's vocabulary and context), which calls
+is encoded (engine/prompts.py, held to the engine's vocabulary and context), which format
+the model writes tool calls in, which calls
 are in flight for a drain to wait on, and what log_requests writes."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
 from engine.prompts import PromptEncoder
+from engine.tool_calls import detect_parser
 from service.metrics import ServerMetrics
 
 # Prompts and outputs, at INFO, only with log_requests; nothing else logs request content.
@@ -55,6 +57,7 @@ class FrontDoor:
         self.draining = False
         self.fault: str | None = None  # the watchdog's verdict: this engine serves no more
         self.log_requests = False  # ServerConfig.log_requests
+        self.tool_parser_setting = "auto"  # ServerConfig.tool_parser
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -81,6 +84,12 @@ class FrontDoor:
     def prompts(self, engine: AsyncEngine) -> PromptEncoder:
         """The prompt encoder of both doors, held to what the engine reports of itself."""
         return PromptEncoder.for_engine(engine.tokenizer, engine.info)
+
+    def tool_parser(self, engine: AsyncEngine) -> str:
+        """The format the served model writes tool calls in."""
+        if self.tool_parser_setting != "auto":
+            return self.tool_parser_setting
+        return detect_parser(engine.tokenizer.chat_template)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight; False if the timeout came first."""

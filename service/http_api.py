@@ -46,6 +46,7 @@ from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, T
 from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import SamplingParams, check_count
 from engine.tokenizer import Tokenizer
+from engine.tool_calls import ParsedText, ToolCallDelta, ToolCallReader, assemble
 from service.front_door import (
     MAX_MESSAGE_BYTES,
     FrontDoor,
@@ -274,6 +275,14 @@ class _Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     finals: list[CandidateEvent] = field(default_factory=list)
     started: set[int] = field(default_factory=set)  # choices a stream sent a first chunk of
+    tool_calls: ToolCallReader = field(default_factory=lambda: ToolCallReader(None))
+
+    def finish_reason(self, index: int, reason: FinishReason) -> str:
+        return (
+            "tool_calls"
+            if self.tool_calls.ended_calling(index, reason)
+            else _FINISH_REASONS[reason]
+        )
 
     def add(self, prompt: int, event: CandidateEvent) -> None:
         self.outputs[prompt].add(event)
@@ -347,13 +356,15 @@ class _Api:
         names = body.param_names()
         try:
             self.service.check_model(body.model or "")
-            params = body.sampling_params()
+            tools = body.tool_use(self.service.tool_parser(engine))
+            params = body.sampling_params(tools)
             prompt = self.service.prompts(engine).prompt(
-                messages=body.messages, as_dict=ChatMessage.as_dict
+                messages=body.messages, as_dict=ChatMessage.as_dict, tools=tools
             )
         except Exception as exc:
             raise self._refused("chat", exc, names) from None
         gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body, names)
+        gen.tool_calls = ToolCallReader(tools)
         return await self._respond(gen, engine.tokenizer, body, request)
 
     def _refused(self, kind: str, exc: Exception, param_names: dict[str, str]) -> ApiError:
@@ -445,10 +456,11 @@ class _Api:
         for prompt, builder in enumerate(gen.outputs):
             output = builder.build()
             for out in output.outputs:
-                choice: dict[str, Any] = {"index": prompt * gen.n + out.index}
+                index = prompt * gen.n + out.index
+                choice: dict[str, Any] = {"index": index}
                 logprobs = None
                 if gen.kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": out.text}
+                    choice["message"] = _chat_message(gen.tool_calls.parse(index, out.text, True))
                     if gen.logprobs:
                         logprobs = _chat_logprobs(out.logprobs or [], tokenizer)
                 else:
@@ -459,7 +471,7 @@ class _Api:
                         items += out.logprobs or []
                         logprobs = _completion_logprobs(items, tokenizer, 0)
                 choice["logprobs"] = logprobs
-                choice["finish_reason"] = _FINISH_REASONS[out.finish_reason]
+                choice["finish_reason"] = gen.finish_reason(index, out.finish_reason)
                 choices.append(choice)
         kind = "chat.completion" if gen.kind == "chat" else "text_completion"
         return _envelope(gen, kind, choices) | {"usage": gen.usage()}
@@ -512,14 +524,17 @@ class _Api:
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
-        if event.text or first:
-            delta["content"] = event.text
+        parsed = gen.tool_calls.parse(index, event.text, event.finished)
+        if parsed.content or first:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = [_tool_call_delta(d) for d in parsed.tool_calls]
         if not delta and not event.finished:
             return None
         logprobs = None
         if gen.logprobs and event.logprobs:
             logprobs = _chat_logprobs(event.logprobs, tokenizer)
-        finish = _FINISH_REASONS[event.finish_reason] if event.finished else None
+        finish = gen.finish_reason(index, event.finish_reason) if event.finished else None
         return {
             "index": index,
             "delta": delta,
@@ -664,6 +679,32 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Cand
     finally:
         for task in tasks:
             task.cancel()  # each stream's own cleanup cancels its engine request
+
+
+def _chat_message(parsed: ParsedText) -> dict[str, Any]:
+    """A chat answer's message: its content and, where the model called tools, its calls
+    (the content then None when it is only whitespace)."""
+    if not parsed.tool_calls:
+        return {"role": "assistant", "content": parsed.content}
+    calls = [
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for call in assemble(parsed.tool_calls)
+    ]
+    content = parsed.content if parsed.content.strip() else None
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+def _tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    """A streamed call piece as OpenAI sends it: index, id, type and name on a call's first,
+    then arguments pieces."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -3,18 +3,21 @@
 pydantic checks the shapes (a string where a number belongs: 400 naming the field); the
 values' ranges are SamplingParams.validate's, the same check gRPC requests pass through.
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour
-(logit_bias, suffix, tools, ...) are refused rather than silently dropped.
+(logit_bias, suffix, ...) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.constraints import Constraint
 from engine.errors import ValidationError
 from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import SamplingParams
+from engine.tool_calls import ToolUse
 
 # Prompts in one completions request (each is an engine request; past the queue's room they
 # get 429), bounded before any is encoded.
@@ -64,6 +67,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # generated output always keeps to the schema
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs extra: exactly one of its fields."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a JSON Schema
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
 class _Sampling(_Body):
     """What completions and chat share: sampling, stopping, streaming, and the common
     extras of OpenAI-compatible servers (top_k, min_p, ...)."""
@@ -90,6 +117,8 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     COPIED: ClassVar[tuple[str, ...]] = (
         "n",
@@ -124,7 +153,47 @@ class _Sampling(_Body):
                 setattr(params, name, value)
         if self.stop is not None:
             params.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        params.constraint = self._constraint()
         return params
+
+    def _constraint(self) -> Constraint | None:
+        """response_format or structured_outputs as a Constraint naming its field."""
+        chosen = (
+            self.response_format
+            if self.response_format and self.response_format.type != "text"
+            else None
+        )
+        if chosen and self.structured_outputs:
+            raise ValidationError(
+                "structured_outputs", "give either response_format or structured_outputs"
+            )
+        if chosen and chosen.type == "json_object":
+            return Constraint("json_object", field="response_format")
+        if chosen:
+            if chosen.json_schema is None:
+                raise ValidationError("response_format.json_schema", "is required for json_schema")
+            schema = json.dumps(chosen.json_schema.schema_)
+            return Constraint("json_schema", schema, field="response_format.json_schema.schema")
+        if self.structured_outputs is None:
+            return None
+        given = self.structured_outputs.model_dump(exclude_none=True)
+        if len(given) != 1:
+            raise ValidationError(
+                "structured_outputs",
+                "give exactly one of json, json_object, regex, grammar, choice",
+            )
+        ((name, value),) = given.items()
+        field = f"structured_outputs.{name.rstrip('_')}"
+        if name == "json_":
+            spec = value if isinstance(value, str) else json.dumps(value)
+            return Constraint("json_schema", spec, field=field)
+        if name == "json_object":
+            if not value:
+                raise ValidationError(field, "set it to true, or leave it unset")
+            return Constraint("json_object", field=field)
+        if name == "choice":
+            return Constraint("choice", tuple(value), field=field)
+        return Constraint(name, value, field=field)
 
 
 class CompletionRequest(_Sampling):
@@ -175,14 +244,53 @@ class ChatMessage(BaseModel):
         return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None  # forced calls always keep to the schema
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # unset: up to the context limit
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_use(self, parser: str) -> ToolUse | None:
+        """The request's tools and tool_choice; None when it offers none. parser: the
+        format the served model writes calls in."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise ValidationError("tool_choice", "needs tools")
+            return None
+        tools = tuple(tool.model_dump(exclude_none=True) for tool in self.tools)
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            return ToolUse(tools, "function", choice.function.name, self.parallel, parser)
+        return ToolUse(tools, choice, None, self.parallel, parser)
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
 
     def param_names(self) -> dict[str, str]:
         """The engine's names for fields (SamplingParams', admission's) -> the ones this
@@ -190,18 +298,18 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         return {"logprobs": "top_logprobs", "max_tokens": max_tokens, "prompt": "messages"}
 
-    def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise ValidationError("tools", "tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValidationError("response_format", "only {'type': 'text'} is supported")
+    def sampling_params(self, tools: ToolUse | None = None) -> SamplingParams:
+        """tools: tool_use()'s; a forced call is a constraint on the answer."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValidationError("top_logprobs", "needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return self._params(max_tokens, logprobs)
+        params = self._params(max_tokens, logprobs)
+        if tools is not None:
+            tools.constrain(params)
+        return params
 
 
 class TokenizeRequest(_Body):

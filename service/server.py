@@ -38,6 +38,7 @@ from engine.errors import ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
 from engine.prompts import PromptEncoder
 from engine.request_stream import RequestStream, StreamOverflow
+from engine.tool_calls import TOOL_PARSERS, ToolCallReader
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service import convert
@@ -95,6 +96,9 @@ class ServerConfig:
     # (Kubernetes' grpc probe); None: health only on grpc_port.
     health_port: int | None = None
     log_requests: bool = False  # prompts and outputs in the log (logger service.requests)
+    # The format the model writes tool calls in: auto (from its chat template) or one of
+    # engine/tool_calls.py's TOOL_PARSERS.
+    tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "metrics_port", "http_port", "health_port"):
@@ -116,6 +120,11 @@ class ServerConfig:
             raise ValidationError(
                 "engine_stall_seconds",
                 f"must be a finite number > 0, got {self.engine_stall_seconds}",
+            )
+        if self.tool_parser not in ("auto", *TOOL_PARSERS):
+            raise ValidationError(
+                "tool_parser",
+                f"must be auto or one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}",
             )
         if self.trace_exporter not in TRACE_EXPORTERS:
             raise ValidationError(
@@ -264,7 +273,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         with self._observed("Generate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            output, stream = await self._submit(engine, request, context, "grpc_unary")
+            output, stream, tool_calls = await self._submit(engine, request, context, "grpc_unary")
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
                     output.add(event)
@@ -275,7 +284,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             finally:
                 self.log_outputs(stream.request_id, output.texts_so_far())
-            response = convert.generate_response(output.build(), engine.tokenizer)
+            response = convert.generate_response(output.build(), engine.tokenizer, tool_calls)
             advice = "ask for fewer candidates, tokens or logprobs, or use StreamGenerate"
             await self._check_size(response, context, advice)
             return response
@@ -285,7 +294,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         with self._observed("StreamGenerate", context) as finals, self.in_flight_call():
             engine = await self._engine(context)
-            output, stream = await self._submit(engine, request, context, "grpc_stream")
+            output, stream, tool_calls = await self._submit(engine, request, context, "grpc_stream")
             tokenizer = engine.tokenizer
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
@@ -294,7 +303,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
                         await _abort_on_engine_fault(event, context)
                     if self.log_requests:
                         output.add(event)
-                    message = convert.stream_message(event, tokenizer)
+                    message = convert.stream_message(event, tokenizer, tool_calls)
                     message.request_id = output.request_id  # the caller's id, not the engine's
                     yield message
             except StreamOverflow as exc:  # this client stopped reading; it alone fails
@@ -356,10 +365,10 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
 
     async def _submit(
         self, engine: AsyncEngine, request: pb.GenerateRequest, context, door: str
-    ) -> tuple[RequestOutputBuilder, RequestStream]:
+    ) -> tuple[RequestOutputBuilder, RequestStream, ToolCallReader]:
         """Validate, tokenize and queue; aborts the RPC with the right status on failure.
-        Returns the answer to gather, under the caller's request id, and the stream, which
-        carries the engine's (engine_request_id).
+        Returns the answer to gather, under the caller's request id, the stream, which
+        carries the engine's (engine_request_id), and the reader of its tool calls.
         The moment the RPC ends, however it ends (the client cancels, its deadline passes,
         its channel or process goes), the engine request is cancelled unless it finished:
         a unary call writes nothing until its end, so no failed write would tell."""
@@ -367,8 +376,9 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
         engine_id = engine_request_id(caller_scope(context), request_id)
         try:
             self.check_model(request.model)
-            params = convert.sampling_params(request)
-            token_ids = convert.prompt_token_ids(request, self.prompts(engine))
+            tools = convert.tool_use(request, self.tool_parser(engine))
+            params = convert.sampling_params(request, tools)
+            token_ids = convert.prompt_token_ids(request, self.prompts(engine), tools)
             stream = await engine.submit(engine_id, token_ids, params, request.priority, door)
         except ValidationError as exc:
             if exc.field == "request_id":  # the caller's own request with this id is running
@@ -384,7 +394,8 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         context.add_done_callback(lambda _: stream.cancel())
         self.log_prompts(engine_id, [token_ids])
-        return RequestOutputBuilder.start(request_id, token_ids, params.n), stream
+        output = RequestOutputBuilder.start(request_id, token_ids, params.n)
+        return output, stream, ToolCallReader(tools)
 
 
 def engine_request_id(scope: str, request_id: str) -> str:
@@ -487,6 +498,7 @@ async def start_server(config: ServerConfig) -> Server:
     interceptors.append(ParseInterceptor(service.metrics))  # innermost: a refused key never parses
     grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
     service.log_requests = config.log_requests
+    service.tool_parser_setting = config.tool_parser
     service.max_message_bytes = config.max_message_bytes
     # Whatever log_level says: asking for them means showing them.
     request_log.setLevel(logging.INFO if config.log_requests else logging.NOTSET)

@@ -20,6 +20,7 @@ from typing import Any, get_args, get_type_hints
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_flat
 from engine.errors import ValidationError
+from engine.tool_calls import TOOL_PARSERS
 from service.server import ServerConfig
 from service.tracing import TRACE_EXPORTERS
 
@@ -131,6 +132,12 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("engine", "enforce_eager", "CUDA: run every step eagerly, no CUDA graphs"),
     _setting(
         "engine",
+        "grammar_compile_timeout",
+        "structured output: seconds a constraint (JSON schema, regex, grammar) may take to "
+        "compile before the request is refused",
+    ),
+    _setting(
+        "engine",
         "kernel_cache_dir",
         "where Triton (<dir>/triton) and flashinfer (<dir>/.cache/flashinfer) keep the "
         "kernels they build; fill it with `pagedserve warmup` and serve with the same "
@@ -228,6 +235,13 @@ SETTINGS: tuple[Setting, ...] = (
         "log_requests",
         "log every request's prompt and output (logger service.requests, at INFO whatever "
         "log_level); off: request content never reaches the log, at any level",
+    ),
+    _setting(
+        "server",
+        "tool_parser",
+        "the format the model writes tool calls in; auto: read off its chat template "
+        "(llama3_json where it speaks of <|python_tag|>, else hermes)",
+        choices=("auto", *TOOL_PARSERS),
     ),
     # Logging configures the process itself, so it has no config dataclass.
     Setting(

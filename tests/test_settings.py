@@ -152,6 +152,7 @@ SAMPLES = {
     "max_model_len": 77,
     "engine_seed": 5,
     "enforce_eager": True,
+    "grammar_compile_timeout": 2.5,
     "kernel_cache_dir": "/var/cache/pagedserve/kernels",
     "async_scheduling": True,
     "block_size": 32,
@@ -182,6 +183,7 @@ SAMPLES = {
     "tls_client_ca_file": "<pki>",
     "health_port": 50052,
     "log_requests": True,
+    "tool_parser": "llama3_json",
     "log_level": "INFO",
 }
 

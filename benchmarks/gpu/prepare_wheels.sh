@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 platform=(--only-binary=:all: --python-version 3.12 --implementation cp
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 wheels=(
   flashinfer-python==0.6.18.post1 "apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0"
@@ -17,7 +17,7 @@ wheels=(
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
   opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0
-  pytest-asyncio
+  pytest-asyncio llguidance==1.9.1
 )
 mkdir -p .whl
 for wheel in "${wheels[@]}"; do

@@ -1,0 +1,149 @@
+"""Structured output's cost: output tok/s with a JSON schema on every request against the
+same requests free, and grammar compile time per schema.
+
+    python benchmarks/structured_output.py [--shape qwen3-0.6b] [--tokenizer PATH] --json-out F
+
+The model is random weights of a real model's shape (gpu_bench.write_random_model) given
+a real tokenizer, SmolLM2's byte-level BPE (the embedded default's GGUF, or --tokenizer: a
+tokenizer.json or a .gguf), with the model's vocabulary sized to match it.
+
+The workload: --requests (64) requests at once through the offline API, each asking for
+one of the JSON schemas in tests/json_schemas.py (in turn) at temperature 0.6, seeded.
+The free run sends the same prompts with ignore_eos and, per request, max_tokens equal to
+the tokens its constrained answer had: both runs produce the same tokens per request, so
+their output tok/s compare the same work. Each run is timed --repeats times on one
+engine after a warm-up; the figures are the median's. Compile time: every schema compiled
+--compile-repeats times by a fresh compiler (no cache), p50 and p99 over all compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_bench import SHAPES, write_random_model  # noqa: E402
+from benchmarks.workload import run_info  # noqa: E402
+from engine.constraints import Constraint  # noqa: E402
+from engine.grammar import GrammarCompiler  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.model_store import resolve_model  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from tests.json_schemas import SCHEMAS  # noqa: E402
+
+
+def model_with_tokenizer(shape_name: str, tokenizer_path: Path, root: Path) -> Path:
+    """The shape's random model with the tokenizer's vocabulary, and the tokenizer."""
+    tokenizer = Tokenizer.from_path(tokenizer_path)
+    shape = dataclasses.replace(SHAPES[shape_name], vocab_size=tokenizer.vocab_size)
+    path = write_random_model(shape, root / f"{shape_name}-vocab{shape.vocab_size}")
+    tokenizer.backend.save(str(path / "tokenizer.json"))  # in place of the shape's own
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = list(tokenizer.eos_token_ids)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def timed_runs(llm: LLM, prompts: list[str], params: list[SamplingParams], repeats: int):
+    llm.generate(prompts[:4], params[:4])  # warm-up (kernels, the first compiles)
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        runs.append({"seconds": round(elapsed, 3), "output_tokens": produced, "outputs": outputs})
+    median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    return median, [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+
+
+def compile_times(tokenizer_path: Path, vocab_size: int, repeats: int) -> dict:
+    tokenizer = Tokenizer.from_path(tokenizer_path)
+    times = []
+    for _ in range(repeats):
+        compiler = GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids)
+        for _, schema in SCHEMAS:
+            start = time.perf_counter()
+            compiler.compile(Constraint("json_schema", json.dumps(schema)))
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return {
+        "compiles": len(times),
+        "p50_ms": round(1000 * statistics.median(times), 2),
+        "p99_ms": round(1000 * times[min(len(times) - 1, int(0.99 * len(times)))], 2),
+        "max_ms": round(1000 * times[-1], 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer.json or .gguf; default SmolLM2's")
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile-repeats", type=int, default=5)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+
+    tokenizer_path = args.tokenizer or resolve_model(None)
+    model = model_with_tokenizer(args.shape, tokenizer_path, args.model_dir)
+    llm = LLM(str(model), device=args.device, enable_prefix_caching=False)
+    prompts, constrained = [], []
+    for i in range(args.requests):
+        prompt, schema = SCHEMAS[i % len(SCHEMAS)]
+        prompts.append(f"Request {i}. {prompt} Answer in JSON.")
+        constraint = Constraint("json_schema", json.dumps(schema))
+        constrained.append(
+            SamplingParams(temperature=0.6, seed=i, max_tokens=args.max_tokens, constraint=constraint)
+        )
+    with_schema, schema_runs = timed_runs(llm, prompts, constrained, args.repeats)
+    lengths = [len(o.outputs[0].token_ids) for o in with_schema["outputs"]]
+    free = [
+        SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate(lengths)
+    ]
+    without, free_runs = timed_runs(llm, prompts, free, args.repeats)
+    tok_s = {
+        "json_schema": with_schema["output_tokens"] / with_schema["seconds"],
+        "none": without["output_tokens"] / without["seconds"],
+    }
+    overhead = 1 - tok_s["json_schema"] / tok_s["none"]
+    compiled = compile_times(tokenizer_path, llm.engine.model_config.vocab_size, args.compile_repeats)
+    result = {
+        **run_info(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "shape": args.shape,
+        "vocab_size": llm.engine.model_config.vocab_size,
+        "requests": args.requests,
+        "output_tokens": with_schema["output_tokens"],
+        "output_tok_s": {k: round(v, 1) for k, v in tok_s.items()},
+        "overhead": round(overhead, 4),
+        "runs": {"json_schema": schema_runs, "none": free_runs},
+        "compile": compiled,
+    }
+    print(
+        f"{args.requests} requests, {with_schema['output_tokens']} output tokens: "
+        f"json_schema {tok_s['json_schema']:,.0f} tok/s, none {tok_s['none']:,.0f} tok/s, "
+        f"overhead {100 * overhead:.1f}%; compile p50 {compiled['p50_ms']} ms, "
+        f"p99 {compiled['p99_ms']} ms"
+    )
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Constraints (engine/constraints.py) as token masks, with llguidance.
+
+GrammarCompiler turns a constraint into a grammar for the engine's tokenizer on threads of
+its own (llguidance releases the interpreter lock while it builds one), so neither the
+engine loop nor the event loop waits for it; the grammars built last are kept, a bounded
+number, keyed by the constraint. A build that runs past the time limit is refused with
+its own error and left to finish on its thread: the pool is small, so a flood of
+pathological schemas costs constrained requests their compile slots, never the server.
+
+A compiled constraint is a matcher at its start; each candidate gets a copy of its own
+(GrammarMask, a TokenMask of engine/request.py) that fills the candidate's row of the
+step's bitmask and advances on each sampled token. JSON is generated compactly (one space
+after ',' and ':', no free whitespace), which keeps a small model from filling max_tokens
+with blank lines.
+
+llguidance rather than xgrammar (0.2.9): xgrammar's rule for a string with a maxLength
+admits raw control characters, which no JSON parser takes; llguidance needs no
+transformers, builds a grammar in about a millisecond and fills a mask in ~0.1 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import llguidance
+import llguidance.numpy
+from llguidance.gbnf_to_lark import any_to_lark
+
+from engine.constraints import Constraint
+from engine.errors import ValidationError
+from engine.request import TokenMask
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Compact JSON, the way models are trained to write it.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompiler:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        time_limit: float = 10.0,
+        cache_size: int = 256,
+        threads: int = 2,
+    ):
+        """vocab_size: the model's, the width of its logits (may exceed the tokenizer's)."""
+        self.time_limit = time_limit
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(stop_token_ids)
+        )
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # the cache is read and filled from several threads
+
+    def start(self, constraint: Constraint) -> Future[llguidance.LLMatcher]:
+        """Compile on the pool; the future raises ValidationError for what cannot be."""
+        return self._pool.submit(self._compile, constraint)
+
+    def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """Compile and wait, up to the time limit."""
+        return self.result(self.start(constraint), constraint)
+
+    def result(
+        self, future: Future[llguidance.LLMatcher], constraint: Constraint, wait: bool = True
+    ) -> llguidance.LLMatcher:
+        """A started compile's matcher (waiting up to the time limit when `wait`), or its
+        ValidationError; past the limit it is refused."""
+        try:
+            return future.result(timeout=self.time_limit if wait else 0)
+        except FutureTimeout:
+            future.cancel()  # if it never started; a running build finishes unread
+            raise ValidationError(
+                constraint.field,
+                f"did not compile within {self.time_limit:g} s; simplify it",
+            ) from None
+
+    def masks(self, start: llguidance.LLMatcher) -> Callable[[], TokenMask]:
+        """Makes one candidate's mask each call, from a compiled constraint."""
+        return lambda: GrammarMask(start.deep_copy())
+
+    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        with self._lock:
+            if constraint in self._cache:
+                self._cache.move_to_end(constraint)
+                return self._cache[constraint]
+        matcher = llguidance.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+        if matcher.is_error():
+            raise ValidationError(
+                constraint.field, f"cannot be compiled: {_one_line(matcher.get_error())}"
+            )
+        with self._lock:
+            self._cache[constraint] = matcher
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return matcher
+
+
+def _grammar(constraint: Constraint) -> str:
+    """The constraint in llguidance's grammar language."""
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_STYLE)
+        if kind == "json_object":
+            schema = '{"type": "object"}'
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_STYLE)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "grammar":  # Lark, or GBNF (root ::= ...) turned into Lark
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
+        # choice: each string a literal (JSON's escapes are Lark's)
+        alternatives = " | ".join(json.dumps(s, ensure_ascii=False) for s in spec)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    except Exception as exc:  # what the converters refuse, each in its own exception type
+        raise ValidationError(constraint.field, f"cannot be compiled: {_one_line(exc)}") from None
+
+
+def _one_line(message: object) -> str:
+    """llguidance's messages draw a caret under the fault over several lines."""
+    return " ".join(str(message).split())
+
+
+class GrammarMask:
+    """One candidate's place in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._matcher = matcher
+
+    def fill_next(self, bitmask) -> None:
+        # A stopped matcher (its grammar ended, EOS taken) allows only EOS again.
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask[None], 0)
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.consume_token(token_id):
+            log.warning(
+                "token %d is outside its constraint: %s", token_id, self._matcher.get_error()
+            )

@@ -1,0 +1,135 @@
+"""Constraints and their token masks, on the embedded default's real tokenizer: what is
+refused (by name, before and at compiling), what each mask lets through."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.constraints import MAX_CHOICES, Constraint
+from engine.errors import ValidationError
+from engine.grammar import GrammarCompiler
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+# A schema llguidance takes ~0.1 s to build a grammar of on one CPU core.
+SLOW_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            f"p{i}": {"type": "string", "pattern": "^([a-z]{2,9}-){1,5}[0-9]{1,8}(x|y|z){2,30}$"}
+            for i in range(2000)
+        },
+        "required": [f"p{i}" for i in range(2000)],
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf: Path) -> Tokenizer:
+    return Tokenizer.from_path(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+def allowed_ids(mask, vocab_size: int) -> list[int]:
+    bitmask = np.full(-(-vocab_size // 32), -1, dtype=np.int32)
+    mask.fill_next(bitmask)
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits).tolist()
+
+
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        (Constraint("xml", "<a/>", field="f"), "unknown kind"),
+        (Constraint("choice", (), field="f"), "at least one"),
+        (Constraint("choice", ("a", ""), field="f"), "entry 1"),
+        (Constraint("choice", ("a",) * (MAX_CHOICES + 1), field="f"), "at most"),
+        (Constraint("regex", "", field="f"), "non-empty"),
+        (Constraint("grammar", "   ", field="f"), "non-empty"),
+        (Constraint("json_schema", "{not json", field="f"), "not valid JSON"),
+        (Constraint("json_schema", "[1, 2]", field="f"), "object or a boolean"),
+    ],
+)
+def test_what_is_wrong_short_of_compiling_is_refused_by_field(constraint, message) -> None:
+    with pytest.raises(ValidationError, match=message) as caught:
+        constraint.validate()
+    assert caught.value.field == "f"
+
+
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        (Constraint("regex", "[0-9", field="regex"), "unclosed character class"),
+        (Constraint("grammar", "root ::= [", field="grammar"), "cannot be compiled"),
+        (Constraint("grammar", "start: (", field="grammar"), "cannot be compiled"),
+        (Constraint("json_schema", '{"type": "foo"}', field="json_schema"), "Invalid type: foo"),
+    ],
+)
+def test_what_the_compiler_refuses_names_the_field_and_says_why_in_one_line(
+    compiler: GrammarCompiler, constraint: Constraint, message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message) as caught:
+        compiler.compile(constraint)
+    assert caught.value.field == constraint.field
+    assert "\n" not in str(caught.value)
+
+
+def test_a_compile_past_the_time_limit_is_refused_with_its_own_error(tokenizer) -> None:
+    slow = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, 0.01)
+    with pytest.raises(ValidationError, match="did not compile within 0.01 s") as caught:
+        slow.compile(Constraint("json_schema", SLOW_SCHEMA, field="response_format"))
+    assert caught.value.field == "response_format"
+
+
+def test_a_choice_mask_keeps_the_text_a_prefix_of_a_choice_then_allows_only_eos(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    choices = ("yes", 'no "way"', "naïve ☃")
+    mask = compiler.masks(compiler.compile(Constraint("choice", choices)))()
+    vocab = tokenizer.vocab_size
+    first = allowed_ids(mask, vocab)
+    texts = {tokenizer.decode([t], skip_special_tokens=False) for t in first}
+    assert texts and all(any(c.startswith(t) for c in choices) for t in texts)
+    for token_id in tokenizer.encode("yes", add_special_tokens=False):
+        mask.accept(token_id)
+    assert allowed_ids(mask, vocab) == sorted(tokenizer.eos_token_ids)
+
+
+def test_each_candidate_gets_a_matcher_of_its_own(compiler, tokenizer) -> None:
+    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+x")))
+    first, second = masks(), masks()
+    for token_id in tokenizer.encode("12x", add_special_tokens=False):
+        first.accept(token_id)
+    vocab = tokenizer.vocab_size
+    assert allowed_ids(first, vocab) == sorted(tokenizer.eos_token_ids)
+    digits_first = allowed_ids(second, vocab)
+    assert all(tokenizer.decode([t]).isdigit() for t in digits_first)
+
+
+def test_a_schema_mask_admits_a_valid_document_token_by_token(compiler, tokenizer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+    }
+    mask = compiler.masks(compiler.compile(Constraint("json_schema", json.dumps(schema))))()
+    for token_id in tokenizer.encode('{"name": "Ada", "age": 36}', add_special_tokens=False):
+        assert token_id in allowed_ids(mask, tokenizer.vocab_size)
+        mask.accept(token_id)
+    assert allowed_ids(mask, tokenizer.vocab_size) == sorted(tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize("field, value", [("ignore_eos", True), ("min_tokens", 2)])
+def test_what_would_hold_eos_back_past_a_constraint_is_refused(field, value) -> None:
+    params = SamplingParams(constraint=Constraint("json_object"), **{field: value})
+    with pytest.raises(ValidationError) as caught:
+        params.validate()
+    assert caught.value.field == field

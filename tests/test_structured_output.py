@@ -1,0 +1,381 @@
+"""Structured output and tool calls through both doors, on a tiny random-weight model: the
+constraint holds whatever the weights say, bad constraints are refused by field while
+other requests go on, and forced tool calls come back in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+from typing import Literal
+
+import grpc
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from engine.constraints import Constraint
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
+from service.server import ServerConfig
+from tests.test_grpc_server import kv_back_to_zero, serving
+from tests.tiny_models import write_tiny_model
+
+# Bounded in every direction (no property beyond these), so even random weights must
+# finish it within max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "admin": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "admin"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+GREEDY = dict(model="tiny", temperature=0.0, max_tokens=120)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=120)
+    role: Literal["admin", "user"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    # A context that holds tool definitions in a 400-token vocabulary's many small tokens.
+    directory = tmp_path_factory.mktemp("structured-tiny")
+    return write_tiny_model(directory, "llama", max_position_embeddings=4096)
+
+
+@pytest.fixture
+async def doors(tiny_model):
+    config = ServerConfig(grpc_port=0, http_port=0)
+    async with serving(tiny_model, config, num_blocks=2048) as (srv, core, engine):
+        base = f"http://127.0.0.1:{srv.http_port}/v1"
+        client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        try:
+            yield client, inference_pb2_grpc.InferenceStub(channel), engine, base
+        finally:
+            await client.close()
+            await channel.close()
+    assert core.block_manager.num_used_blocks == 0
+
+
+def greedy_grpc(max_tokens: int = 200, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        sampling=pb.SamplingOptions(temperature=0.0),
+        stopping=pb.StoppingOptions(max_tokens=max_tokens),
+        **fields,
+    )
+
+
+async def test_every_kind_of_constraint_holds_on_both_doors(doors) -> None:
+    client, stub, _, _ = doors
+    schema = await client.chat.completions.create(
+        messages=[{"role": "user", "content": "a person"}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+        **GREEDY,
+    )
+    jsonschema.validate(json.loads(schema.choices[0].message.content), PERSON)
+    assert schema.choices[0].finish_reason == "stop"
+
+    # Any object: random weights may go on until max_tokens; what they wrote is an object's
+    # start, and parses whenever they ended it.
+    any_json = await client.completions.create(
+        prompt="{", extra_body={"response_format": {"type": "json_object"}}, **GREEDY
+    )
+    assert any_json.choices[0].text.startswith("{")
+    if any_json.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(any_json.choices[0].text), dict)
+
+    regex = await stub.Generate(greedy_grpc(text="id", regex=r"[A-Z]{2}-[0-9]{3}"))
+    assert regex.candidates[0].text[:2].isupper() and regex.candidates[0].text[2] == "-"
+    assert len(regex.candidates[0].text) == 6
+
+    choices = ["red", "green", "blue"]
+    picked = await stub.Generate(greedy_grpc(text="color", choice=pb.Choices(choices=choices)))
+    assert picked.candidates[0].text in choices
+    assert picked.candidates[0].finish_reason == pb.FINISH_REASON_EOS
+
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    ebnf = await client.completions.create(
+        prompt="q", extra_body={"structured_outputs": {"grammar": grammar}}, **GREEDY
+    )
+    text = ebnf.choices[0].text
+    assert text in ("yes", "no") or (text[:-1] == "maybe " and text[-1].isdigit())
+
+
+async def test_sampled_candidates_each_keep_to_the_schema(doors) -> None:
+    client, *_ = doors
+    answer = await client.chat.completions.create(
+        messages=[{"role": "user", "content": "people"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        model="tiny",
+        n=3,
+        temperature=1.0,
+        seed=7,
+        max_tokens=200,
+    )
+    documents = [json.loads(c.message.content) for c in answer.choices]
+    for document in documents:
+        jsonschema.validate(document, PERSON)
+    assert len({json.dumps(d) for d in documents}) > 1  # each candidate its own matcher
+
+
+async def test_the_openai_client_parses_a_pydantic_model(doors) -> None:
+    client, *_ = doors
+    completion = await client.chat.completions.parse(
+        messages=[{"role": "user", "content": "who?"}], response_format=Person, **GREEDY
+    )
+    assert isinstance(completion.choices[0].message.parsed, Person)
+
+
+async def test_a_cut_off_document_says_length(doors) -> None:
+    client, *_ = doors
+    answer = await client.chat.completions.create(
+        messages=[{"role": "user", "content": "a person"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        model="tiny",
+        temperature=0.0,
+        max_tokens=3,
+    )
+    assert answer.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "root ::= ["}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ],
+)
+async def test_bad_constraints_and_tools_are_400_naming_the_field(doors, body, param) -> None:
+    client, _, engine, base = doors
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(
+            f"{base}/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], **body},
+        )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert param in error["message"] or error["param"] == param, error
+    # Nothing else broke: the next request is answered, and no KV block is held.
+    fine = await client.completions.create(prompt="fine", max_tokens=3, model="tiny")
+    assert fine.choices[0].finish_reason == "length"
+    await kv_back_to_zero(engine)
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({"json_schema": '{"type": "object", "properties": 3}'}, "json_schema"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"grammar": "root ::= ["}, "grammar"),
+        ({"choice": pb.Choices()}, "choice.choices"),
+        ({"json_object": False}, "json_object"),
+    ],
+)
+async def test_bad_constraints_are_invalid_argument_naming_the_field(doors, fields, name) -> None:
+    _, stub, engine, _ = doors
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Generate(greedy_grpc(text="x", **fields))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"{name}:"), caught.value.details()
+    await kv_back_to_zero(engine)
+
+
+async def test_a_forced_call_streams_deltas_that_add_up_to_the_unary_call(doors) -> None:
+    client, *_ = doors
+    ask = dict(
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **GREEDY,
+    )
+    unary = await client.chat.completions.create(**ask)
+    call = unary.choices[0].message.tool_calls[0]
+    assert unary.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    pieces, names, ids, finish = [], [], set(), None
+    async for chunk in await client.chat.completions.create(stream=True, **ask):
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            assert delta.index == 0
+            if delta.id:
+                ids.add(delta.id)
+                names.append(delta.function.name)
+            pieces.append(delta.function.arguments or "")
+        finish = choice.finish_reason or finish
+    assert names == ["get_weather"] and len(ids) == 1
+    assert len(pieces) > 1  # the arguments arrive in pieces
+    assert "".join(pieces) == call.function.arguments
+    assert finish == "tool_calls"
+
+
+async def test_required_calls_one_tool_or_several_and_the_round_trip_ends_in_text(doors) -> None:
+    client, *_ = doors
+    messages = [{"role": "user", "content": "weather and time?"}]
+    single = await client.chat.completions.create(
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **GREEDY,
+    )
+    calls = single.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    assert single.choices[0].message.content is None
+
+    result = {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp": 21}'}
+    history = [*messages, single.choices[0].message.model_dump(exclude_none=True), result]
+    answer = await client.chat.completions.create(
+        messages=history, tools=[WEATHER, TIME], tool_choice="none", **GREEDY
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert isinstance(answer.choices[0].message.content, str)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_grpc_chat_takes_tools_and_answers_calls(doors) -> None:
+    _, stub, _, _ = doors
+    tool = WEATHER["function"]
+    request = greedy_grpc(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="weather?")]),
+        tools=[pb.Tool(name=tool["name"], parameters=json.dumps(tool["parameters"]))],
+        tool_choice=pb.TOOL_CHOICE_REQUIRED,
+        parallel_tool_calls=False,
+    )
+    unary = await stub.Generate(request)
+    candidate = unary.candidates[0]
+    assert candidate.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert [c.name for c in candidate.tool_calls] and candidate.text == ""
+    for call in candidate.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    deltas = [d for m in [m async for m in stub.StreamGenerate(request)] for d in m.tool_calls]
+    rebuilt = {}
+    for d in deltas:
+        rebuilt.setdefault(d.index, ["", ""])
+        rebuilt[d.index][0] += d.name
+        rebuilt[d.index][1] += d.arguments
+    assert [tuple(v) for _, v in sorted(rebuilt.items())] == [
+        (c.name, c.arguments) for c in candidate.tool_calls
+    ]
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Generate(greedy_grpc(text="x", tools=request.tools))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("tools:")
+
+
+async def test_constrained_and_free_requests_in_one_batch_answer_as_they_do_alone(doors) -> None:
+    _, stub, _, _ = doors
+    requests = [
+        greedy_grpc(40, text="one", json_schema=json.dumps(PERSON)),
+        greedy_grpc(40, text="two"),
+        greedy_grpc(40, text="three", regex="[a-z ]{5,30}"),
+        greedy_grpc(40, text="four"),
+    ]
+    alone = [await stub.Generate(r) for r in requests]
+    together = await asyncio.gather(*(stub.Generate(r) for r in requests))
+    assert [a.candidates[0].token_ids for a in alone] == [
+        t.candidates[0].token_ids for t in together
+    ]
+
+
+def test_a_constraint_that_admits_the_free_answer_changes_no_token(tiny_model) -> None:
+    llm = LLM(str(tiny_model), num_blocks=512, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = [f"{word} quick" for word in ("The", "A", "One", "Hello", "Where", "Why", "So")]
+    answers = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
+
+    # Random weights write parts of characters, and special tokens; the constraint is
+    # text, so it spells the longest start of a free answer that is whole characters.
+    def whole(ids: list[int]) -> int:
+        special = llm.tokenizer.all_special_ids
+        ids = list(itertools.takewhile(lambda t: t not in special, ids))
+        decode = llm.tokenizer.decode
+        return next((k for k in range(len(ids), 0, -1) if "\ufffd" not in decode(ids[:k])), 0)
+
+    prompt, free = max(zip(prompts, answers), key=lambda pair: whole(pair[1]))
+    length = whole(free)
+    assert length >= 4
+    text = llm.tokenizer.decode(free[:length])
+    exact = dataclasses.replace(greedy, constraint=Constraint("choice", (text,)))
+    constrained = llm.generate([prompt], exact)[0].outputs[0]
+    assert constrained.token_ids[:length] == free[:length]
+    assert constrained.text == text
+
+
+def test_a_preempted_constrained_request_replays_to_the_same_document(tiny_model) -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=120, constraint=Constraint("json_schema", json.dumps(PERSON))
+    )
+    prompts = [f"person {i}" for i in range(6)]
+    roomy = LLM(str(tiny_model), num_blocks=256, block_size=4).generate(prompts, params)
+    tight = LLM(str(tiny_model), num_blocks=48, block_size=4)
+    squeezed = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    for output in squeezed:
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
