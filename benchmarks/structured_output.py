@@ -108,7 +108,9 @@ def main() -> None:
         prompts.append(f"Request {i}. {prompt} Answer in JSON.")
         constraint = Constraint("json_schema", json.dumps(schema))
         constrained.append(
-            SamplingParams(temperature=0.6, seed=i, max_tokens=args.max_tokens, constraint=constraint)
+            SamplingParams(
+                temperature=0.6, seed=i, max_tokens=args.max_tokens, constraint=constraint
+            )
         )
     with_schema, schema_runs = timed_runs(llm, prompts, constrained, args.repeats)
     lengths = [len(o.outputs[0].token_ids) for o in with_schema["outputs"]]
@@ -122,7 +124,9 @@ def main() -> None:
         "none": without["output_tokens"] / without["seconds"],
     }
     overhead = 1 - tok_s["json_schema"] / tok_s["none"]
-    compiled = compile_times(tokenizer_path, llm.engine.model_config.vocab_size, args.compile_repeats)
+    compiled = compile_times(
+        tokenizer_path, llm.engine.model_config.vocab_size, args.compile_repeats
+    )
     result = {
         **run_info(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
