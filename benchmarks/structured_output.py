@@ -4,8 +4,8 @@ same requests free, and grammar compile time per schema.
     python benchmarks/structured_output.py [--shape qwen3-0.6b] [--tokenizer PATH] --json-out F
 
 The model is random weights of a real model's shape (gpu_bench.write_random_model) given
-a real tokenizer, SmolLM2's byte-level BPE (the embedded default's GGUF, or --tokenizer: a
-tokenizer.json or a .gguf), with the model's vocabulary sized to match it.
+a real tokenizer, SmolLM2's byte-level BPE (the embedded default's GGUF, or --tokenizer: an
+HF tokenizer directory or a .gguf), with the model's vocabulary sized to match it.
 
 The workload: --requests (64) requests at once through the offline API, each asking for
 one of the JSON schemas in tests/json_schemas.py (in turn) at temperature 0.6, seeded.
@@ -47,6 +47,8 @@ def model_with_tokenizer(shape_name: str, tokenizer_path: Path, root: Path) -> P
     shape = dataclasses.replace(SHAPES[shape_name], vocab_size=tokenizer.vocab_size)
     path = write_random_model(shape, root / f"{shape_name}-vocab{shape.vocab_size}")
     tokenizer.backend.save(str(path / "tokenizer.json"))  # in place of the shape's own
+    special = {"eos_token": tokenizer.backend.id_to_token(tokenizer.eos_token_ids[0])}
+    (path / "tokenizer_config.json").write_text(json.dumps(special))
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = list(tokenizer.eos_token_ids)
     (path / "config.json").write_text(json.dumps(config))
@@ -89,7 +91,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    p.add_argument("--tokenizer", type=Path, help="tokenizer.json or .gguf; default SmolLM2's")
+    p.add_argument(
+        "--tokenizer", type=Path, help="an HF tokenizer directory or a .gguf; default SmolLM2's"
+    )
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=512)

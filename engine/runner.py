@@ -8,12 +8,14 @@ replays a CUDA graph (a pure-decode step, engine/cuda_graphs.py) or runs the mod
 eagerly, and queues the sampler, whose tokens go into the token table on the device: the
 next step can be queued before they reach the host. collect() waits and reads the samples
 back: on CUDA the one host sync of a step, which the engine puts after queueing the next.
+A step sampled under token masks (structured output) is queued in two halves, forward()
+and then sample(allowed): the host fills the masks while the device runs the forward.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -49,6 +51,18 @@ class StepOutput:
     logprobs: list[TokenLogprob | None]  # set where the row's params ask for logprobs
     # sequence -> logprobs of the prompt tokens its chunk predicts (from its first position + 1)
     prompt_logprobs: dict[int, list[TokenLogprob]]
+
+
+@dataclass
+class ForwardStep:
+    """A step whose model forward is queued: its logits stay on the device for sample()."""
+
+    logits: torch.Tensor | None  # the rows to read: sampled first, then prompt-predicting
+    num_samples: int
+    sampling: SamplingRows[torch.Tensor]
+    targets: torch.Tensor  # where each sampled token goes in the token table
+    spans: dict[int, tuple[int, int]]  # see _StepRows
+    prompt_logprobs: dict[int, int]  # the plan's
 
 
 @dataclass
@@ -157,9 +171,13 @@ class ModelRunner:
             dtype=self.dtype,
         )
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> LaunchedStep:
         """Queue a step's work on the device; collect() waits for it and reads it back."""
+        return self.sample(self.forward(plan))
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> ForwardStep:
+        """Queue a step's model forward on the device; sample() queues the rest."""
         graph = self._replayable(plan)
         rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
         history = self._penalty_history(plan, rows)
@@ -196,16 +214,28 @@ class ModelRunner:
             seen_ids, output_ids = self.batch.history(*rest[:3], width, pad)
             rest = rest[3:]
         sampling = plan.sampling.on_device(rest, seen_ids, output_ids)
+        # Every chunk a middle piece of a prefill: no row to read.
+        logits = self.model.compute_logits(hidden) if len(hidden) else None
+        return ForwardStep(
+            logits, num_samples, sampling, targets_d, rows.spans, plan.prompt_logprobs
+        )
 
-        if not len(hidden):  # every chunk is a middle piece of a prefill: nothing to read
+    @torch.inference_mode()
+    def sample(self, step: ForwardStep, allowed: np.ndarray | None = None) -> LaunchedStep:
+        """Queue a forward step's sampling (under `allowed`, the rows' token masks, when
+        given: sampling.allowed's layout), the tokens' writes and their host copies."""
+        if step.logits is None:
             return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
-        logits = self.model.compute_logits(hidden)
-        launched = self._sample(logits[:num_samples], sampling, targets_d)
+        sampling = step.sampling
+        if allowed is not None:
+            sampling = replace(sampling, allowed=upload([allowed], self.device)[0])
+        logits, num_samples = step.logits, step.num_samples
+        launched = self._sample(logits[:num_samples], sampling, step.targets)
         offset = num_samples
-        for i, (first, count) in rows.spans.items():
+        for i, (first, count) in step.spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).
             ids = self.batch.token_ids.view(-1)[first : first + count].long()
-            found = prompt_logprobs(logits[offset : offset + count], ids, plan.prompt_logprobs[i])
+            found = prompt_logprobs(logits[offset : offset + count], ids, step.prompt_logprobs[i])
             chosen, top_ids, top_lps = (t.tolist() for t in found)
             launched.prompt_logprobs[i] = [
                 TokenLogprob(token, logprob, list(zip(top, top_values)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import random
 from pathlib import Path
@@ -25,6 +26,7 @@ from engine.attention.cuda import CudaAttention
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.attention.triton_decode import TritonGraphDecode
+from engine.constraints import Constraint
 from engine.kernels import rotary_and_store_kv
 from engine.kernels.rotary import rotary_and_store_kv_torch
 from engine.kv.pool import kv_bytes_per_block
@@ -591,3 +593,46 @@ def test_one_upload_keeps_values_and_16_byte_alignment():
         assert tensor.is_cuda and tensor.data_ptr() % 16 == 0
         assert tensor.shape == array.shape
         assert np.array_equal(tensor.cpu().numpy(), array)
+
+
+# ---- structured output ----------------------------------------------------------------------
+
+
+def test_constrained_greedy_tokens_on_the_gpu_are_the_cpu_ones(model_dir):
+    """A JSON schema's masks applied on the device (CUDA graphs, async scheduling: the masks
+    filled while the forward runs) pick the CPU reference's tokens, up to a near-tie."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "size": {"type": "integer", "minimum": 0, "maximum": 999},
+            "kind": {"enum": ["a", "b", "c"]},
+        },
+        "required": ["name", "size", "kind"],
+        "additionalProperties": False,
+    }
+    constraint = Constraint("json_schema", json.dumps(schema))
+    params = SamplingParams(max_tokens=120, temperature=0.0, logprobs=5, constraint=constraint)
+    prompts = random_prompts(6, seed=21, lo=5, hi=40)
+    cpu = LLM(str(model_dir), device="cpu", num_blocks=512, block_size=BLOCK_SIZE)
+    want = cpu.generate(prompts, params)
+    del cpu
+    llm = gpu_llm(model_dir, dtype="float16")
+    assert llm.engine.config.uses_async_scheduling and llm.engine.runner.graphs is not None
+    got = llm.generate(prompts, params)
+    compared = total = 0
+    for g, w in zip(got, want, strict=True):
+        a, b = g.outputs[0], w.outputs[0]
+        for output in (a, b):  # each is a whole document
+            assert output.finish_reason is FinishReason.EOS
+            assert set(json.loads(output.text)) == {"name", "size", "kind"}
+        total += len(b.token_ids)
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:  # only where the two runs' top tokens are within rounding
+                top = dict(a.logprobs[i].top)
+                assert y in top and a.logprobs[i].logprob - top[y] < NEAR_TIE
+                break
+            compared += 1
+        else:
+            assert a.token_ids == b.token_ids
+    assert compared >= total / 2, f"only {compared} of {total} tokens before near-ties"

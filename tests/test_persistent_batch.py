@@ -124,7 +124,7 @@ def test_penalties_and_candidates_run_ahead_without_a_sync(tiny_llama):
     while engine.has_unfinished_requests:
         engine.step()
         in_flight = engine._in_flight
-        ran_ahead += in_flight is not None and not in_flight.collect_before_next
+        ran_ahead += in_flight is not None
     assert ran_ahead > 10
     want = sync.generate(prompts, params)
     got = llm.generate(prompts, params)
@@ -324,3 +324,47 @@ def test_unpack_bitmask_reads_bit_v_of_word_v_over_32():
     mask = unpack_bitmask(torch.from_numpy(words), 64)
     assert mask[0].nonzero().flatten().tolist() == [3]
     assert mask[1].nonzero().flatten().tolist() == [63]
+
+
+class History(AllowOnly):
+    """A mask that records, at each fill, how many tokens it had accepted."""
+
+    def __init__(self, allowed: list[int]):
+        super().__init__(allowed)
+        self.seen_at_fill: list[int] = []
+
+    def fill_next(self, bitmask: np.ndarray) -> None:
+        self.seen_at_fill.append(len(self.accepted))
+        super().fill_next(bitmask)
+
+
+def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tiny_llama):
+    """With async scheduling, step t+1's forward is queued before step t's tokens are read
+    back; its masks are filled after them (each from every token before its row), and only
+    then is it sampled: the host fills masks while the device computes."""
+    llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=True)
+    engine, runner = llm.engine, llm.engine.runner
+    calls: list[str] = []
+    for name in ("forward", "sample", "collect", "execute"):
+        real = getattr(runner, name)
+
+        def logged(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(runner, name, logged)
+    mask = History([5, 6, 7])
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    engine.add_request(
+        "masked", random_prompts(1, 400, seed=3, lo=6, hi=6)[0], params, 0, lambda: mask
+    )
+    tokens = []
+    while engine.has_unfinished_requests:
+        tokens += [t for e in engine.step() for t in e.token_ids]
+    assert len(tokens) == 8 and set(tokens) <= {5, 6, 7}
+    assert mask.seen_at_fill == list(range(8))  # each mask knew every token before it
+    # After the first step: forward (t+1), collect (t), sample (t+1), step after step.
+    decode = calls[2 : 2 + 3 * 7]
+    assert decode == ["forward", "collect", "sample"] * 7, calls
+    assert "execute" not in calls
+    assert_pool_empty(llm)
