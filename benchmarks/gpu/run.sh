@@ -23,6 +23,9 @@
 #                       then Poisson arrivals at 80% of the measured rate
 #   kernels             gpu_kernels.py: Triton vs eager vs torch.compile
 #   linear              gpu_kernels.py --tokens: the projections' GEMMs
+#   structured          structured_output.py: 64 requests under JSON schemas against the same
+#                       free, and grammar compile times (STRUCTURED_ARGS="--tokenizer DIR"
+#                       where the host cannot fetch the embedded default)
 #   attention           gpu_attention.py: the decode attention kernels
 #   attention-workload  gpu_attention.py at the workload's own decode steps only
 #
@@ -32,6 +35,7 @@
 set -uo pipefail
 BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
+STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for structured
 # Diffs to apply to this (throwaway) copy of the tree first, so that its steps (the GPU
 # tests above all) run an experiment: APPLY_PATCHES="/path/to/experiment.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
@@ -115,6 +119,8 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows $LINEAR_ARGS \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    structured) python3 benchmarks/structured_output.py $STRUCTURED_ARGS \
+        --json-out "$OUT/gpu-structured-output.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}
