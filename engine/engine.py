@@ -89,7 +89,9 @@ class LLMEngine:
         slots = SlotBook(num_slots, runner.token_width, runner.block_width)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, slots)
         self.requests: dict[str, Request] = {}
-        self._in_flight: _StepInFlight | None = None  # async scheduling: launched, not collected
+        # Async scheduling: steps launched, not collected, oldest first (a step whose
+        # sampling waits for its masks last, behind the step its masks follow).
+        self._in_flight: list[_StepInFlight] = []
         self.proposer: Proposer | None = None  # set one to verify its guesses each step
         self._start_counting()
         # What start-up built (the model, the tokenizer, the block manager's blocks) lives
@@ -169,7 +171,7 @@ class LLMEngine:
     @property
     def has_unfinished_requests(self) -> bool:
         """Requests are running, or a step is still in flight (step() collects it)."""
-        return bool(self.requests) or self._in_flight is not None
+        return bool(self.requests) or bool(self._in_flight)
 
     def reset_state(self) -> None:
         """Forget all that ran, as if just built: after a warm-up, so that metrics and the
@@ -227,26 +229,42 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------
 
     def step(self) -> list[CandidateEvent]:
-        """Schedule and queue a step; return the events of the step that finished. With async
-        scheduling the device runs a step ahead: this call queues step t+1, and only then
-        waits for step t and turns its tokens into events, so the host's work between two
-        steps overlaps the device's. Without it (the CPU), each call runs its own step."""
+        """Schedule and queue a step; return the events of the steps that finished. With
+        async scheduling the device runs a step ahead: this call queues step t+1, and only
+        then waits for step t and turns its tokens into events, so the host's work between
+        two steps overlaps the device's. Without it (the CPU), each call runs its own step.
+
+        A step sampled under token masks is queued in two halves: its forward at once, its
+        sampling at the next call, after the step before it is collected (its masks follow
+        those tokens) and just before the forward of the step after it, so the device runs
+        that forward while the host collects and fills the masks."""
         events: list[CandidateEvent] = []
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None and self.proposer is not None:  # it guesses from host tokens
-            events += self._collect(previous)
-            previous = None
+        in_flight, self._in_flight = self._in_flight, []
+        if in_flight and in_flight[-1].launched is None:
+            *before, waiting = in_flight
+            self._complete(before, events)
+            in_flight = [s for s in [self._sample_under_masks(waiting, events)] if s]
+        if self.proposer is not None:  # it guesses from the tokens on the host
+            self._complete(in_flight, events)
+            in_flight = []
         launched = self._launch(self.scheduler.schedule(), events)
-        if previous is not None:
-            events += self._collect(previous)
-        if launched is not None and launched.launched is None:
-            # The masks follow the tokens just collected; the device runs the forward meanwhile.
-            launched = self._sample_under_masks(launched, events)
-        if launched is not None and not self.config.uses_async_scheduling:
-            events += self._collect(launched)
+        if launched is None or not self.config.uses_async_scheduling:
+            self._complete(in_flight + ([launched] if launched else []), events)
         else:
-            self._in_flight = launched
+            # In flight stay the new step and, if it waits for masks, the step before it.
+            keep = 1 if launched.launched is not None else 2
+            in_flight.append(launched)
+            self._complete(in_flight[:-keep], events)
+            self._in_flight = in_flight[-keep:]
         return events
+
+    def _complete(self, steps: list[_StepInFlight], events: list[CandidateEvent]) -> None:
+        """Sample (under its masks) any step still waiting, then collect each, in order."""
+        for step in steps:
+            if step.launched is None:
+                step = self._sample_under_masks(step, events)
+            if step is not None:
+                events += self._collect(step)
 
     def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
         """Queue a scheduled step on the device. On a failure its requests end (events)."""

@@ -2,51 +2,62 @@
 what the structured-output tests generate against and the benchmark compiles.
 
 Together they cover nested objects, arrays with bounds, enums and const, numbers with
-bounds, required and optional properties, additionalProperties, $ref/$defs (recursive
-too), anyOf, nullable types and string formats. Strings carry a maxLength where a small
-model might otherwise write one forever: the constraint holds either way, but a
-document cut off by max_tokens does not parse.
+bounds, required and optional properties, additionalProperties, patternProperties with
+maxProperties, $ref/$defs (a recursion unrolled to a fixed depth too), anyOf, nullable
+types, string formats and a pattern.
+
+Every schema is bounded, so that a whole document always fits in max_tokens: a small
+model given room keeps writing, and a document cut off by max_tokens does not parse (the
+constraint holds either way, but the answer ends with "length", not "stop"). So every
+object is closed ("additionalProperties": false: an open object lets the model add
+properties until it runs out of tokens), extra keys come only through a patternProperties
+with short keys and a maxProperties, strings carry a maxLength, arrays a maxItems, the
+folder tree is a $ref chain of fixed depth (node -> child -> leaf; a truly recursive one
+nests without end), and numbers are integers or carry a multipleOf that bounds their
+digits, except two fractions with tight bounds, which the model ends quickly.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-NAME = {"type": "string", "maxLength": 24}
-SHORT = {"type": "string", "maxLength": 40}
+NAME = {"type": "string", "maxLength": 16}
+SHORT = {"type": "string", "maxLength": 24}
+
+
+def closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    """An object of exactly these properties (all required unless `required` says which)."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+    }
+
 
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     (
         "A person with a name and an age.",
-        {
-            "type": "object",
-            "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 130}},
-            "required": ["name", "age"],
-        },
+        closed({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 130}}),
     ),
     (
         "A product with a price in dollars.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "title": SHORT,
                 "price": {"type": "number", "minimum": 0, "maximum": 10000},
                 "in_stock": {"type": "boolean"},
-            },
-            "required": ["title", "price", "in_stock"],
-            "additionalProperties": False,
-        },
+            }
+        ),
     ),
     (
         "Today's weather.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "condition": {"enum": ["sunny", "cloudy", "rain", "snow"]},
                 "celsius": {"type": "integer", "minimum": -60, "maximum": 60},
-            },
-            "required": ["condition", "celsius"],
-        },
+            }
+        ),
     ),
     (
         "Three colors.",
@@ -63,174 +74,147 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     ),
     (
         "A book with its author.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "title": SHORT,
-                "author": {
-                    "type": "object",
-                    "properties": {"first": NAME, "last": NAME},
-                    "required": ["first", "last"],
-                },
+                "author": closed({"first": NAME, "last": NAME}),
                 "year": {"type": "integer", "minimum": 1400, "maximum": 2030},
-            },
-            "required": ["title", "author", "year"],
-        },
+            }
+        ),
     ),
     (
         "A yes or no answer with a reason.",
-        {
-            "type": "object",
-            "properties": {"answer": {"type": "boolean"}, "reason": SHORT},
-            "required": ["answer", "reason"],
-        },
+        closed({"answer": {"type": "boolean"}, "reason": SHORT}),
     ),
     (
         "A point on a map.",
         {
-            "$defs": {"coordinate": {"type": "number", "minimum": -180, "maximum": 180}},
-            "type": "object",
-            "properties": {
-                "lat": {"$ref": "#/$defs/coordinate"},
-                "lon": {"$ref": "#/$defs/coordinate"},
+            "$defs": {
+                "coordinate": {
+                    "type": "number",
+                    "minimum": -180,
+                    "maximum": 180,
+                    "multipleOf": 0.25,
+                }
             },
-            "required": ["lat", "lon"],
+            **closed(
+                {"lat": {"$ref": "#/$defs/coordinate"}, "lon": {"$ref": "#/$defs/coordinate"}}
+            ),
         },
     ),
     (
         "A team of two people.",
         {
-            "$defs": {
-                "member": {
-                    "type": "object",
-                    "properties": {"name": NAME, "role": {"enum": ["lead", "dev", "qa"]}},
-                    "required": ["name", "role"],
+            "$defs": {"member": closed({"name": NAME, "role": {"enum": ["lead", "dev", "qa"]}})},
+            **closed(
+                {
+                    "team": NAME,
+                    "members": {
+                        "type": "array",
+                        "items": {"$ref": "#/$defs/member"},
+                        "minItems": 2,
+                        "maxItems": 2,
+                    },
                 }
-            },
-            "type": "object",
-            "properties": {
-                "team": NAME,
-                "members": {
-                    "type": "array",
-                    "items": {"$ref": "#/$defs/member"},
-                    "minItems": 2,
-                    "maxItems": 2,
-                },
-            },
-            "required": ["team", "members"],
+            ),
         },
     ),
     (
         "A folder tree.",
         {
             "$defs": {
-                "node": {
-                    "type": "object",
-                    "properties": {
+                "node": closed(
+                    {
                         "name": NAME,
                         "children": {
                             "type": "array",
-                            "items": {"$ref": "#/$defs/node"},
+                            "items": {"$ref": "#/$defs/child"},
                             "maxItems": 2,
                         },
-                    },
-                    "required": ["name", "children"],
-                }
+                    }
+                ),
+                "child": closed(
+                    {
+                        "name": NAME,
+                        "children": {
+                            "type": "array",
+                            "items": {"$ref": "#/$defs/leaf"},
+                            "maxItems": 2,
+                        },
+                    }
+                ),
+                "leaf": closed({"name": NAME}),
             },
             "$ref": "#/$defs/node",
         },
     ),
     (
         "An HTTP status.",
-        {
-            "type": "object",
-            "properties": {
-                "code": {"enum": [200, 201, 400, 404, 500]},
-                "message": SHORT,
-            },
-            "required": ["code", "message"],
-        },
+        closed({"code": {"enum": [200, 201, 400, 404, 500]}, "message": SHORT}),
     ),
     (
         "A version number.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "major": {"type": "integer", "minimum": 0, "maximum": 20},
                 "minor": {"type": "integer", "minimum": 0, "maximum": 50},
                 "patch": {"type": "integer", "minimum": 0, "maximum": 99},
-            },
-            "required": ["major", "minor", "patch"],
-            "additionalProperties": False,
-        },
+            }
+        ),
     ),
     (
         "A contact that may lack a phone.",
-        {
-            "type": "object",
-            "properties": {"name": NAME, "phone": {"type": ["string", "null"], "maxLength": 16}},
-            "required": ["name", "phone"],
-        },
+        closed({"name": NAME, "phone": {"type": ["string", "null"], "maxLength": 16}}),
     ),
     (
         "Either a cat or a dog.",
         {
             "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
+                closed(
+                    {
                         "kind": {"const": "cat"},
                         "lives": {"type": "integer", "minimum": 1, "maximum": 9},
-                    },
-                    "required": ["kind", "lives"],
-                },
-                {
-                    "type": "object",
-                    "properties": {"kind": {"const": "dog"}, "breed": NAME},
-                    "required": ["kind", "breed"],
-                },
+                    }
+                ),
+                closed({"kind": {"const": "dog"}, "breed": NAME}),
             ]
         },
     ),
     (
-        "A meeting date.",
-        {
-            "type": "object",
-            "properties": {"title": SHORT, "date": {"type": "string", "format": "date"}},
-            "required": ["title", "date"],
-        },
+        "A meeting date, maybe with a room.",
+        closed(
+            {"title": SHORT, "date": {"type": "string", "format": "date"}, "room": NAME},
+            required=["title", "date"],
+        ),
     ),
     (
         "A rating out of five.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "stars": {"type": "integer", "minimum": 1, "maximum": 5},
                 "score": {"type": "number", "minimum": 0, "maximum": 1},
-            },
-            "required": ["stars", "score"],
-        },
+            }
+        ),
     ),
     (
         "A recipe.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "dish": NAME,
                 "ingredients": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 4},
                 "minutes": {"type": "integer", "minimum": 1, "maximum": 300},
                 "vegetarian": {"type": "boolean"},
-            },
-            "required": ["dish", "ingredients", "minutes", "vegetarian"],
-        },
+            }
+        ),
     ),
     (
         "A key-value settings object.",
         {
-            "type": "object",
-            "properties": {"debug": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
-            "required": ["debug"],
-            "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+            **closed({"debug": {"type": "boolean"}, "level": {"enum": ["low", "high"]}}),
+            "patternProperties": {
+                "^x_[a-z]{1,10}$": {"type": "integer", "minimum": 0, "maximum": 9}
+            },
+            "maxProperties": 4,
         },
     ),
     (
@@ -249,27 +233,20 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     ),
     (
         "An order with line items.",
-        {
-            "type": "object",
-            "properties": {
+        closed(
+            {
                 "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
                 "items": {
                     "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "sku": NAME,
-                            "qty": {"type": "integer", "minimum": 1, "maximum": 10},
-                        },
-                        "required": ["sku", "qty"],
-                    },
+                    "items": closed(
+                        {"sku": NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 10}}
+                    ),
                     "minItems": 1,
                     "maxItems": 3,
                 },
                 "paid": {"type": "boolean"},
-            },
-            "required": ["id", "items", "paid"],
-        },
+            }
+        ),
     ),
 ]
 
