@@ -8,7 +8,8 @@ a real tokenizer, SmolLM2's byte-level BPE (the embedded default's GGUF, or --to
 HF tokenizer directory or a .gguf), with the model's vocabulary sized to match it.
 
 The workload: --requests (64) requests at once through the offline API, each asking for
-one of the JSON schemas in tests/json_schemas.py (in turn) at temperature 0.6, seeded.
+an array of --documents (8) documents of one of the JSON schemas in tests/json_schemas.py
+(in turn) at temperature 0.6, seeded.
 The free run sends the same prompts with ignore_eos and, per request, max_tokens equal to
 the tokens its constrained answer had: both runs produce the same tokens per request, so
 their output tok/s compare the same work. Each run is timed --repeats times on one
@@ -55,6 +56,15 @@ def model_with_tokenizer(shape_name: str, tokenizer_path: Path, root: Path) -> P
     return path
 
 
+def documents(schema: dict, count: int) -> dict:
+    """An array of exactly `count` documents of the schema: answers long enough that the
+    steps, not a request's first ones, are what the run times."""
+    schema = dict(schema)
+    defs = schema.pop("$defs", None)
+    array = {"type": "array", "items": schema, "minItems": count, "maxItems": count}
+    return {**array, "$defs": defs} if defs else array
+
+
 def timed_runs(llm: LLM, prompts: list[str], params: list[SamplingParams], repeats: int):
     llm.generate(prompts[:4], params[:4])  # warm-up (kernels, the first compiles)
     runs = []
@@ -97,6 +107,7 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--documents", type=int, default=8, help="documents of its schema per answer")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile-repeats", type=int, default=5)
     p.add_argument("--device", default="auto")
@@ -109,8 +120,8 @@ def main() -> None:
     prompts, constrained = [], []
     for i in range(args.requests):
         prompt, schema = SCHEMAS[i % len(SCHEMAS)]
-        prompts.append(f"Request {i}. {prompt} Answer in JSON.")
-        constraint = Constraint("json_schema", json.dumps(schema))
+        prompts.append(f"Request {i}. {prompt} Answer in JSON, {args.documents} of them.")
+        constraint = Constraint("json_schema", json.dumps(documents(schema, args.documents)))
         constrained.append(
             SamplingParams(
                 temperature=0.6, seed=i, max_tokens=args.max_tokens, constraint=constraint
