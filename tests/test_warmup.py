@@ -98,7 +98,7 @@ class StepSpy:
         plan_step = engine._plan
 
         def spy_plan(chunks):
-            plan, samplers = plan_step(chunks)
+            plan, samplers, masks = plan_step(chunks)
             self.steps.append(
                 dict(
                     decodes=sum(c.num_tokens == 1 and c.start > 0 for c in chunks),
@@ -114,7 +114,7 @@ class StepSpy:
                     banned=plan.sampling.banned_ids is not None,
                 )
             )  # fmt: skip
-            return plan, samplers
+            return plan, samplers, masks
 
         engine._plan = spy_plan
 
