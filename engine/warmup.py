@@ -30,6 +30,7 @@ dozen steps of a few tokens each.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import random
 import time
@@ -210,6 +211,11 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             report.graph_batch_sizes.append(size)
 
     engine.reset_state()
+    # What the warm-up built and the engine keeps (the grammar compiler, the kernels'
+    # Python state) leaves the collector's passes, as start-up's did (LLMEngine.__init__):
+    # else the first callers' steps pay for walking it.
+    gc.collect()
+    gc.freeze()
     report.seconds = time.monotonic() - start
     engine.startup = dataclasses.replace(engine.startup, warmup=report.seconds)
     log.info(
