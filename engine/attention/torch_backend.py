@@ -4,7 +4,7 @@ Layout and causal rule: engine/attention/base.py; the new rows' K/V are already 
 pool (engine/kernels/kv_cache.py's store_kv_torch wrote them). One step may mix sequences
 that decode (one new token) with sequences that prefill a prompt or a chunk of it:
 
-- decodes are batched: their K and V are gathered with one indexed read into padded
+- decodes are batched: their K and V are gathered with one indexed read each into padded
   [B, max_len, H, D] tensors and attended in one SDPA call under a key-padding mask;
 - prefills run one at a time: a whole prompt under SDPA's own causal rule, a chunk after
   a cached prefix under a causal mask offset by that prefix.
@@ -33,11 +33,10 @@ DECODE_GROUP_SIZE = 4
 class DecodeGroup:
     """Decoding sequences attended together, padded to the longest of them."""
 
-    first: int  # where their rows start in the step's decode rows, sorted by length
-    size: int
-    kv_blocks: torch.Tensor  # int64 [2 * size * num_blocks]: see gather_blocks
+    rows: torch.Tensor  # int64 [G]: their query rows in the flat batch
+    block_table: torch.Tensor  # int64 [G * num_blocks]: their blocks, row after row
     max_len: int
-    key_valid: torch.Tensor  # bool [size, 1, 1, max_len]: False past a sequence's own length
+    key_valid: torch.Tensor  # bool [G, 1, 1, max_len]: False past a sequence's own length
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Prefill:
 
     start: int  # its rows in the flat batch
     end: int
-    kv_blocks: torch.Tensor  # int64 [2 * num_blocks]: see gather_blocks
+    block_table: torch.Tensor  # int64 [num_blocks]: its blocks
     seq_len: int
     causal: torch.Tensor | None  # bool [q_len, seq_len] after a cached prefix; else None
 
@@ -55,7 +54,6 @@ class Prefill:
 class StepPlan:
     """What every layer of one step shares: computed on the first layer, reused by the rest."""
 
-    decode_rows: torch.Tensor  # int64 [num_decodes]: the decoding rows, shortest first
     decode_groups: list[DecodeGroup]
     prefills: list[Prefill]
 
@@ -84,14 +82,8 @@ class TorchPagedAttention(EagerOnly):
             self.plan(meta)
         plan = self._plan
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
-        if plan.decode_groups:
-            # One read and one write of all decoding rows, not one of each per group.
-            decode_q = q[plan.decode_rows]
-            outs = [
-                self._decode(decode_q[g.first : g.first + g.size], kv_cache, g, scale)
-                for g in plan.decode_groups
-            ]
-            out[plan.decode_rows] = torch.cat(outs)
+        for group in plan.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
         for prefill in plan.prefills:
             out[prefill.start : prefill.end] = self._prefill(
                 q[prefill.start : prefill.end], kv_cache, prefill, scale
@@ -105,7 +97,7 @@ class TorchPagedAttention(EagerOnly):
         group: DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        keys, values = gather_blocks(kv_cache, group.kv_blocks, group.size, group.max_len)
+        keys, values = gather_blocks(kv_cache, group.block_table, group.rows.numel(), group.max_len)
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         heads_per_kv = num_q_heads // num_kv_heads
@@ -128,7 +120,7 @@ class TorchPagedAttention(EagerOnly):
         scale: float,
     ) -> torch.Tensor:
         q_len, num_q_heads, head_dim = q.shape
-        keys, values = gather_blocks(kv_cache, prefill.kv_blocks, 1, prefill.seq_len)
+        keys, values = gather_blocks(kv_cache, prefill.block_table, 1, prefill.seq_len)
         keys = keys.float().transpose(1, 2)  # [1, Hkv, L, D]
         values = values.float().transpose(1, 2)
         num_kv_heads = keys.shape[1]
@@ -171,9 +163,9 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
     slots = torch.as_tensor(meta.slots, dtype=torch.int64, device=device)
     starts = list(itertools.accumulate(query_lens, initial=0))
 
-    def kv_blocks(seqs: list[int], length: int) -> torch.Tensor:
+    def block_table(seqs: list[int], length: int) -> torch.Tensor:
         num_blocks = -(-length // meta.block_size)
-        return kv_block_indices(meta.block_table[slots[seqs], :num_blocks].reshape(-1))
+        return meta.block_table[slots[seqs], :num_blocks].reshape(-1).long()
 
     # Decodes attend in groups of similar length, each padded only to its own longest
     # sequence: a step that mixes short and long contexts then copies and attends far
@@ -189,9 +181,8 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
         key_valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
         groups.append(
             DecodeGroup(
-                first=first,
-                size=len(seqs),
-                kv_blocks=kv_blocks(seqs, max_len),
+                rows=torch.tensor([starts[i] for i in seqs], device=device),
+                block_table=block_table(seqs, max_len),
                 max_len=max_len,
                 key_valid=key_valid[:, None, None, :],
             )
@@ -207,32 +198,21 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
             # Query row j sits at position seq_len - q_len + j and sees keys up to it.
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             causal = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-        prefills.append(Prefill(starts[i], starts[i + 1], kv_blocks([i], seq_len), seq_len, causal))
-    return StepPlan(
-        decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device),
-        decode_groups=groups,
-        prefills=prefills,
-    )
-
-
-def kv_block_indices(block_table: torch.Tensor) -> torch.Tensor:
-    """The rows of a layer's pool viewed as [num_blocks * 2, block_size, Hkv, D] (block b's
-    K at 2b, its V at 2b + 1) that hold these blocks' keys, then their values."""
-    block_table = block_table.long()
-    return torch.cat((2 * block_table, 2 * block_table + 1))
+        prefills.append(
+            Prefill(starts[i], starts[i + 1], block_table([i], seq_len), seq_len, causal)
+        )
+    return StepPlan(decode_groups=groups, prefills=prefills)
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor, kv_blocks: torch.Tensor, batch: int, length: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, batch: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh copies of the keys and values of `batch` sequences whose blocks are listed row
-    after row in the block table that kv_block_indices turned into `kv_blocks`, each
-    [batch, length, Hkv, D]. Past a sequence's own length they hold whatever its blocks
-    held."""
+    after row in the flat `block_table`, each [batch, length, Hkv, D]. Past a sequence's own
+    length they hold whatever its blocks held."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    # One index_select copies the whole blocks of both; on the CPU it is ~4x faster than
-    # advanced indexing. view, not reshape: a pool that is not contiguous must not be
-    # copied whole.
-    rows = torch.index_select(kv_cache.view(-1, *kv_cache.shape[2:]), 0, kv_blocks)
-    keys, values = rows.view(2, batch, -1, num_kv_heads, head_dim)[:, :, :length]
-    return keys, values
+    # index_select copies whole blocks; on the CPU it is ~4x faster than advanced indexing.
+    keys = torch.index_select(kv_cache[:, 0], 0, block_table)  # [batch * blocks, bs, Hkv, D]
+    values = torch.index_select(kv_cache[:, 1], 0, block_table)
+    shape = (batch, -1, num_kv_heads, head_dim)
+    return keys.view(shape)[:, :length], values.view(shape)[:, :length]

@@ -33,6 +33,5 @@ def store_kv_torch(
         k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # K and V side by side, [T, 2, Hkv, D]: one clamp and one indexed write for both.
-    kv = torch.stack((k, v), dim=1)
-    kv_cache[blocks, :, offsets] = torch.nan_to_num(kv).to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = torch.nan_to_num(k).to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = torch.nan_to_num(v).to(kv_cache.dtype)

@@ -90,9 +90,5 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos = cos.unsqueeze(1)  # broadcast over heads
     sin = sin.unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
-    # Each half computed into its place in the result: no concatenating copy.
-    rotated = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    r1, r2 = rotated.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=r1).sub_(x2 * sin)
-    torch.mul(x2, cos, out=r2).add_(x1 * sin)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)
