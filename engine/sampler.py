@@ -1,15 +1,16 @@
 """Batched sampling: one row of logits per sequence -> next token id (+ logprobs).
 
 Per row, in order: repetition / presence / frequency penalties -> min_tokens ban (-inf)
--> temperature -> top-k -> top-p -> min-p (one descending sort shared by the three)
--> sample. Greedy rows take the argmax of the penalised, banned logits and skip the rest.
+-> token mask (-inf) -> temperature -> top-k -> top-p -> min-p (one descending sort shared
+by the three) -> sample. Greedy rows take the argmax of the penalised, banned, masked
+logits and skip the rest.
 
 Vectorized on the logits' device with no host<->device sync: what depends on the batch's
 parameters (skip penalties, skip filters, all greedy, skip logprobs) is decided on the host
 when SamplingRows.build makes the rows, so the device never has to report back. The logits
 come in the model's dtype; a stage that needs float32 makes it. In the common case (no
-penalty, ban or filter) a CUDA step is one Triton pass over the logits: temperature, noise,
-race and the greedy rows' argmax together. The draw is counter-based, not a
+penalty, ban or filter) a CUDA step is one Triton pass over the logits: token masks,
+temperature, noise, race and the greedy rows' argmax together. The draw is counter-based, not a
 torch.Generator: engine/kernels/race.py.
 """
 
@@ -22,7 +23,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
-from engine.kernels.race import exponential_race
+from engine.kernels.race import exponential_race, unpack_bitmask
 from engine.sampling_params import SamplingParams
 
 _PROMPT_ROWS_PER_PASS = 1024  # prompt logprobs: float32 copies of at most 1024 x vocab
@@ -168,13 +169,14 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[1] == t.vocab_size, logits.shape
         adjusted = _penalise_and_ban(logits, t)
         temperature = t.column("temperature")
-        if t.all_greedy:
+        if t.all_greedy and t.allowed is None:
             token_ids = adjusted.argmax(dim=-1)
         elif t.needs_filters:
             scaled = _apply_top_k_top_p_min_p(adjusted.float() / temperature[:, None], t)
             token_ids = exponential_race(scaled, None, t.greedy, t.seeds, t.counters)
-        else:
-            token_ids = exponential_race(adjusted, temperature, t.greedy, t.seeds, t.counters)
+        else:  # the race applies the token masks itself
+            race = (adjusted, temperature, t.greedy, t.seeds, t.counters, t.allowed)
+            token_ids = exponential_race(*race)
         if not t.needs_logprobs:
             return SamplerOutput(token_ids, None, None, None)
 
@@ -217,9 +219,11 @@ def _scatter_count(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _penalise_and_ban(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:
-    """The logits as they are when no row has a penalty, a ban or a mask; else a float32
-    copy with the penalties applied and every id a row may not pick at -inf."""
-    if t.penalty_rows is None and t.banned_ids is None and t.allowed is None:
+    """The logits as they are when no row has a penalty, a ban or a mask the filters must
+    see (without filters the race applies the masks); else a float32 copy with the
+    penalties applied and every id a row may not pick at -inf."""
+    masks_here = t.allowed is not None and t.needs_filters
+    if t.penalty_rows is None and t.banned_ids is None and not masks_here:
         return logits
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
     vocab = t.vocab_size
@@ -227,15 +231,9 @@ def _penalise_and_ban(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> to
         logits = logits.index_copy(0, t.penalty_rows, _apply_penalties(logits[t.penalty_rows], t))
     if t.banned_ids is not None:
         logits = logits.masked_fill(_scatter_count(t.banned_ids, vocab) > 0, float("-inf"))
-    if t.allowed is not None:
+    if masks_here:
         logits = logits.masked_fill(~unpack_bitmask(t.allowed, vocab), float("-inf"))
     return logits
-
-
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [R, vocab_size] from int32 [R, ceil(vocab_size / 32)]: bit v % 32 of word v // 32."""
-    vocab = torch.arange(vocab_size, device=words.device)
-    return (words[:, vocab // 32] >> (vocab % 32).to(torch.int32)) & 1 == 1
 
 
 def _apply_penalties(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:

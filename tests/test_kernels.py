@@ -415,6 +415,44 @@ def test_triton_exponential_race_picks_what_the_torch_race_picks(
             assert torch.equal(got[1::2], logits[1::2].argmax(dim=-1))
 
 
+def random_bitmask(rows: int, vocab: int, device: str) -> torch.Tensor:
+    """int32 [rows, ceil(vocab / 32)] token masks: row 0 allows one token (63, the sign bit
+    of its word), row 1 (greedy) hides its argmax, the others allow about half."""
+    allowed = torch.rand(rows, vocab) < 0.5
+    allowed[0] = False
+    allowed[0, 63] = True  # race_inputs' row 0 may only pick among its first 100
+    allowed[1, 7] = allowed[1, vocab - 1] = False  # race_inputs' tied maximum of row 1
+    padded = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    weights = 2 ** torch.arange(32, dtype=torch.int64)
+    words = (padded.view(rows, -1, 32) * weights).sum(-1)
+    return words.to(torch.int32).to(device)  # two's complement: bit 31 is the sign bit
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+def test_the_race_under_token_masks_picks_allowed_tokens_as_the_torch_race(target: str) -> None:
+    """A token mask applied inside the Triton race: every pick is an allowed token (a row
+    allowing one gets it, a greedy row whose argmax is masked takes the best allowed one),
+    and the winners are the torch race's, split or not."""
+    from engine.kernels import triton_kernels
+    from engine.kernels.race import unpack_bitmask
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for rows, vocab, blocks_per_split in [(8, 3001, None), (6, 600, 1)]:
+        race = race_inputs(rows, vocab, torch.float32, device)
+        allowed = random_bitmask(rows, vocab, device)
+        want = exponential_race_torch(*race, allowed)
+        if blocks_per_split is None:
+            got = triton_kernels.exponential_race(*race, allowed)
+        else:
+            got = triton_kernels.split_exponential_race(*race, blocks_per_split, 64, allowed)
+        assert torch.equal(got, want), (got, want)
+        assert unpack_bitmask(allowed, vocab)[torch.arange(rows), got].all()
+        assert got[0] == 63
+        masked = race[0][1].masked_fill(~unpack_bitmask(allowed, vocab)[1], float("-inf"))
+        assert got[1] == masked.argmax()
+
+
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 def test_the_race_splits_a_row_over_the_gpu_at_small_batch_only() -> None:
     """The split count: ~4 programs per SM of an H200 in all, from shapes alone; one block a

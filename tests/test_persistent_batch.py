@@ -315,7 +315,7 @@ def test_the_mask_restricts_its_rows_and_no_other(tiny_llama, async_scheduling):
 
 
 def test_unpack_bitmask_reads_bit_v_of_word_v_over_32():
-    from engine.sampler import unpack_bitmask
+    from engine.kernels.race import unpack_bitmask
 
     words = np.zeros((2, 2), dtype=np.int32)
     words[0, 0] = 1 << 3

@@ -5,6 +5,9 @@ counter_r is how many tokens the row has generated: a row's draw depends only on
 seed, step and logits, never on its batch-mates or its place in the batch, and the
 integer hash gives bit-identical uniforms on every device. argmax_v(p_v / E_v) with
 E_v = -log(u_v) ~ Exp(1) picks v with probability exactly p_v.
+
+A row may come with a token mask (structured output's): a bitmask of the tokens it may
+pick, which the race applies itself, in the same pass on CUDA.
 """
 
 from __future__ import annotations
@@ -25,19 +28,23 @@ def exponential_race(
     is_greedy: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row of logits [B, V] (any float dtype): the argmax on greedy rows; on the others
     argmax_v(softmax(scaled)_v / E_v), scaled = logits / temperature (temperature None: the
     logits are already scaled) and E from exponential_noise: a draw from softmax(scaled).
+    With `allowed` (int32 [B, ceil(V / 32)], unpack_bitmask's layout) a row picks only
+    among the tokens whose bit is set.
 
     On CUDA one Triton pass over the logits does it all (the noise never exists in memory,
     and the race runs in log space: argmax(scaled_v - log E_v)); the same tokens either way.
     """
+    race = (logits, temperature, is_greedy, seeds, counters, allowed)
     if use_triton(logits):
         from engine.kernels import triton_kernels
 
-        return triton_kernels.exponential_race(logits, temperature, is_greedy, seeds, counters)
-    return exponential_race_torch(logits, temperature, is_greedy, seeds, counters)
+        return triton_kernels.exponential_race(*race)
+    return exponential_race_torch(*race)
 
 
 def exponential_race_torch(
@@ -46,12 +53,21 @@ def exponential_race_torch(
     is_greedy: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     logits = logits.float()
+    if allowed is not None:
+        logits = logits.masked_fill(~unpack_bitmask(allowed, logits.shape[-1]), float("-inf"))
     scaled = logits if temperature is None else logits / temperature[:, None]
     noise = exponential_noise(seeds, counters, logits.shape[-1])
     sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
     return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [R, vocab_size] from int32 [R, ceil(vocab_size / 32)]: bit v % 32 of word v // 32."""
+    vocab = torch.arange(vocab_size, device=words.device)
+    return (words[:, vocab // 32] >> (vocab % 32).to(torch.int32)) & 1 == 1
 
 
 def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:

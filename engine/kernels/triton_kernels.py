@@ -437,11 +437,14 @@ def _exponential_race_kernel(
     greedy_ptr,
     seeds_ptr,
     counters_ptr,
+    allowed_ptr,
+    allowed_stride,
     split_best_ptr,
     split_index_ptr,
     vocab_size,
     blocks_per_split,
     HAS_TEMPERATURE: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr,
     FAST_NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -449,8 +452,9 @@ def _exponential_race_kernel(
     # columns (the last split's is shorter). A greedy row: the max of its logits. A sampled
     # row: the max over v of logit_v / temperature - log(E_v), E_v = -log(u_v) with u_v the
     # row key's Weyl-walk hash of v: the same choice as argmax(softmax(scaled) / E), since
-    # log softmax only subtracts the row's constant log-normaliser. It writes its best value
-    # and the first column reaching it to [rows, splits] buffers for stage 2.
+    # log softmax only subtracts the row's constant log-normaliser. A token whose bit in the
+    # row's allowed words is clear gets -inf. It writes its best value and the first column
+    # reaching it to [rows, splits] buffers for stage 2.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     # A multiple of BLOCK the compiler can see: the slices' loads stay aligned (vectorized).
@@ -474,6 +478,9 @@ def _exponential_race_kernel(
                 value = value * inv_temperature
             bits = _fmix32(key + cols.to(tl.uint32) * 0x9E3779B9)
             value = value - _log_exponential_noise(bits, FAST_NOISE)
+        if HAS_ALLOWED:
+            words = tl.load(allowed_ptr + row * allowed_stride + cols // 32, mask=mask, other=0)
+            value = tl.where((words >> (cols % 32)) & 1 != 0, value, float("-inf"))
         better = value > best  # strict: each lane keeps its first maximum
         best = tl.where(better, value, best)
         best_index = tl.where(better, cols, best_index)
@@ -525,9 +532,11 @@ def exponential_race(
     is_greedy: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int64 [B]: per row of logits [B, V] (any float dtype), the argmax on greedy rows, the
-    race's winner over logits / temperature (None: already scaled) on the others."""
+    race's winner over logits / temperature (None: already scaled) on the others; only
+    among the tokens `allowed` (int32 [B, ceil(V / 32)]) sets, where given."""
     num_rows, vocab_size = logits.shape
     # The interpreter (CPU tensors) splits as an H200 (132 SMs) would.
     num_sms = (
@@ -536,9 +545,8 @@ def exponential_race(
         else 132
     )
     blocks_per_split = race_blocks_per_split(num_rows, vocab_size, num_sms, _RACE_BLOCK)
-    return split_exponential_race(
-        logits, temperature, is_greedy, seeds, counters, blocks_per_split, _RACE_BLOCK
-    )
+    race = (logits, temperature, is_greedy, seeds, counters)
+    return split_exponential_race(*race, blocks_per_split, _RACE_BLOCK, allowed)
 
 
 def split_exponential_race(
@@ -549,6 +557,7 @@ def split_exponential_race(
     counters: torch.Tensor,
     blocks_per_split: int,
     block: int,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """exponential_race with each row's vocab split in slices of blocks_per_split * block
     columns (tests pick small ones to reach many splits on small vocabs)."""
@@ -568,11 +577,14 @@ def split_exponential_race(
             is_greedy,
             seeds,
             counters,
+            allowed,
+            0 if allowed is None else allowed.stride(0),
             split_best,
             split_index,
             vocab_size,
             blocks_per_split,
             HAS_TEMPERATURE=temperature is not None,
+            HAS_ALLOWED=allowed is not None,
             FAST_NOISE=logits.device.type == "cuda",
             BLOCK=block,
             num_warps=_num_warps(block),
