@@ -19,6 +19,7 @@ import random
 import time
 from array import array
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +29,7 @@ from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, fill_masks
+from engine.grammar import GrammarCompiler, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
@@ -71,6 +72,7 @@ class _StepInFlight:
     forward: ForwardStep | None  # kept while its sampling waits for masks
     masks: list[tuple[int, TokenMask]]  # (first row, mask) of each sequence sampled under one
     launched: LaunchedStep | None  # its sampling queued; None while its masks wait
+    filling: Future[np.ndarray] | None = None  # its masks, once the tokens they follow are in
 
 
 class LLMEngine:
@@ -235,19 +237,23 @@ class LLMEngine:
         two steps overlaps the device's. Without it (the CPU), each call runs its own step.
 
         A step sampled under token masks is queued in two halves: its forward at once, its
-        sampling at the next call, after the step before it is collected (its masks follow
-        those tokens) and just before the forward of the step after it, so the device runs
-        that forward while the host collects and fills the masks."""
+        sampling at the next call, just before the forward of the step after it. Its masks
+        follow the tokens of the step before it: they are filled on a thread from when
+        those are read back, while the host makes their events and plans the next step,
+        and the device runs the forward."""
         events: list[CandidateEvent] = []
         in_flight, self._in_flight = self._in_flight, []
+        waiting = None  # the newest step, if its sampling waits for masks
         if in_flight and in_flight[-1].launched is None:
             *before, waiting = in_flight
-            self._complete(before, events)
-            in_flight = [s for s in [self._sample_under_masks(waiting, events)] if s]
+            for step in before:  # at most one: the step whose tokens the masks follow
+                events += self._collect(step, then_fill=waiting)
+            in_flight = [waiting]
         if self.proposer is not None:  # it guesses from the tokens on the host
             self._complete(in_flight, events)
-            in_flight = []
-        launched = self._launch(self.scheduler.schedule(), events)
+            in_flight, waiting = [], None
+        launched = self._launch(self.scheduler.schedule(), events, waiting)
+        in_flight = [s for s in in_flight if s.launched is not None]  # less a failed sampling
         if launched is None or not self.config.uses_async_scheduling:
             self._complete(in_flight + ([launched] if launched else []), events)
         else:
@@ -266,17 +272,32 @@ class LLMEngine:
             if step is not None:
                 events += self._collect(step)
 
-    def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
-        """Queue a scheduled step on the device. On a failure its requests end (events)."""
-        if sched.is_empty:
+    def _launch(
+        self,
+        sched: SchedulerOutput,
+        events: list[CandidateEvent],
+        waiting: _StepInFlight | None = None,
+    ) -> _StepInFlight | None:
+        """Queue a scheduled step on the device, sampling `waiting` (the step before it,
+        its masks filling meanwhile) once this one is planned. On a failure its requests
+        end (events)."""
+        planned = None
+        if not sched.is_empty:
+            self.num_steps += 1
+            now = time.monotonic()
+            for chunk in sched.chunks:
+                timing = chunk.seq.request.timing
+                timing.first_scheduled = timing.first_scheduled or now
+            try:
+                planned = self._plan(sched.chunks)
+            except Exception as exc:  # an engine fault fails this step's requests, not the engine
+                events += self._fail_step(sched.chunks, exc)
+        if waiting is not None:
+            self._sample_under_masks(waiting, events)
+        if planned is None:
             return None
-        self.num_steps += 1
-        now = time.monotonic()
-        for chunk in sched.chunks:
-            timing = chunk.seq.request.timing
-            timing.first_scheduled = timing.first_scheduled or now
+        plan, samplers, masks = planned
         try:
-            plan, samplers, masks = self._plan(sched.chunks)
             # Under masks the sampling waits for them (_sample_under_masks).
             forward = self.runner.forward(plan) if masks else None
             launched = None if masks else self.runner.execute(plan)
@@ -286,6 +307,8 @@ class LLMEngine:
 
         for chunk in sched.chunks:
             seq = chunk.seq
+            if seq.is_finished:  # by a failed sampling of the step before
+                continue
             seq.num_computed_tokens = chunk.end
             prompt_end = min(chunk.end, seq.num_prompt_tokens)
             self.num_prompt_tokens_computed += max(0, prompt_end - chunk.start)
@@ -300,13 +323,12 @@ class LLMEngine:
     def _sample_under_masks(
         self, step: _StepInFlight, events: list[CandidateEvent]
     ) -> _StepInFlight | None:
-        """Fill a forward step's token masks and queue its sampling. On a failure its
-        requests end (events) and the step is dropped (None)."""
-        words = -(-self.model_config.vocab_size // 32)
-        allowed = np.full((step.forward.num_samples, words), -1, dtype=np.int32)
+        """Queue a forward step's sampling once its token masks are filled (started here if
+        _collect did not start them). On a failure its requests end (events) and the step
+        is dropped (None)."""
         try:
-            fill_masks(step.masks, allowed)
-            step.launched = self.runner.sample(step.forward, allowed)
+            filling = step.filling or self._start_filling(step)
+            step.launched = self.runner.sample(step.forward, filling.result())
         except Exception as exc:
             events += self._fail_step(step.chunks, exc)
             return None
@@ -366,12 +388,26 @@ class LLMEngine:
         )
         return plan, samplers, masks
 
-    def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
-        """Wait for a launched step and turn its results into events."""
+    def _start_filling(self, step: _StepInFlight) -> Future[np.ndarray]:
+        words = -(-self.model_config.vocab_size // 32)
+        return start_filling(step.masks, step.forward.num_samples, words)
+
+    def _collect(
+        self, step: _StepInFlight, then_fill: _StepInFlight | None = None
+    ) -> list[CandidateEvent]:
+        """Wait for a launched step and turn its results into events. Its tokens go into
+        the masks first; then_fill's masks, which follow them, are filled meanwhile."""
         try:
             result = self.runner.collect(step.launched)
         except Exception as exc:  # e.g. a device error surfacing at the sync
             return self._fail_step(step.chunks, exc)
+        row = 0
+        for seq, rows, _ in step.samplers:  # a masked sequence samples one row, unproposed
+            if seq.token_mask is not None and not seq.is_finished:
+                seq.token_mask.accept(result.token_ids[row])
+            row += rows
+        if then_fill is not None:
+            then_fill.filling = self._start_filling(then_fill)
 
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
@@ -415,8 +451,6 @@ class LLMEngine:
     ) -> CandidateEvent:
         request = seq.request
         seq.token_ids.append(token_id)
-        if seq.token_mask is not None:
-            seq.token_mask.accept(token_id)
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 

@@ -161,6 +161,33 @@ def fill_masks(masks: Sequence[tuple[int, TokenMask]], allowed: np.ndarray) -> N
             mask.fill_next(allowed[row])
 
 
+def start_filling(masks: Sequence[tuple[int, TokenMask]], rows: int, words: int) -> Future:
+    """fill_masks into a fresh all-ones int32 [rows, words], on a thread: llguidance lets go
+    of the interpreter lock while it fills, so the caller goes on (making the events of
+    the tokens the masks follow, planning the next step) meanwhile. The future's result
+    is the array.
+
+    Returns once the thread is about to enter llguidance: a thread that wants the lock
+    waits for its holder to block or to run 5 ms (sys.getswitchinterval()), so without
+    this wait the fill would start only when the caller asks for its result."""
+    entering = threading.Event()
+
+    def fill() -> np.ndarray:
+        entering.set()  # first: whatever follows, the caller never waits on more
+        allowed = np.full((rows, words), -1, dtype=np.int32)
+        fill_masks(masks, allowed)
+        return allowed
+
+    filling = _filler().submit(fill)
+    entering.wait()
+    return filling
+
+
+@functools.cache
+def _filler() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+
+
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
