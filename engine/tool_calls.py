@@ -31,6 +31,8 @@ from engine.tokenizer import Tokenizer
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 MAX_TOOLS = 128
+# What a function may be called (OpenAI's rule).
+FUNCTION_NAME = "[A-Za-z0-9_-]{1,64}"
 
 
 @dataclass
@@ -54,6 +56,11 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text, as the model wrote it
+
+    def openai(self) -> dict[str, object]:
+        """The call in OpenAI's shape, as answers carry it and chat templates read it."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 def assemble(deltas: list[ToolCallDelta]) -> list[ToolCall]:

@@ -25,7 +25,15 @@ from engine.outputs import (
 from engine.prompts import PromptEncoder
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, check_count
 from engine.tokenizer import Tokenizer
-from engine.tool_calls import MAX_TOOLS, ParsedText, ToolCallReader, ToolUse, assemble
+from engine.tool_calls import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    ParsedText,
+    ToolCall,
+    ToolCallReader,
+    ToolUse,
+    assemble,
+)
 from pagedserve.v1 import inference_pb2 as pb
 
 _FINISH_REASONS = {
@@ -42,7 +50,6 @@ _TOOL_CHOICES = {
     pb.TOOL_CHOICE_REQUIRED: "required",
     pb.TOOL_CHOICE_FUNCTION: "function",
 }
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def parse(message_type: type[Message], data: bytes) -> Message:
@@ -169,8 +176,8 @@ def tool_use(request: pb.GenerateRequest, parser: str) -> ToolUse | None:
     check_count("tools", len(request.tools), MAX_TOOLS, "tools")
     tools = []
     for i, tool in enumerate(request.tools):
-        if not _FUNCTION_NAME.fullmatch(tool.name):
-            raise ValidationError(f"tools[{i}].name", "must match [A-Za-z0-9_-]{1,64}")
+        if not re.fullmatch(FUNCTION_NAME, tool.name):
+            raise ValidationError(f"tools[{i}].name", f"must match {FUNCTION_NAME}")
         function = {"name": tool.name}
         if tool.description:
             function["description"] = tool.description
@@ -230,8 +237,7 @@ def _message(message: pb.ChatMessage) -> dict[str, object]:
     result: dict[str, object] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         result["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in message.tool_calls
+            ToolCall(c.id, c.name, c.arguments).openai() for c in message.tool_calls
         ]
     if message.tool_call_id:
         result["tool_call_id"] = message.tool_call_id

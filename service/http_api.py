@@ -686,14 +686,7 @@ def _chat_message(parsed: ParsedText) -> dict[str, Any]:
     (the content then None when it is only whitespace)."""
     if not parsed.tool_calls:
         return {"role": "assistant", "content": parsed.content}
-    calls = [
-        {
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
-        for call in assemble(parsed.tool_calls)
-    ]
+    calls = [call.openai() for call in assemble(parsed.tool_calls)]
     content = parsed.content if parsed.content.strip() else None
     return {"role": "assistant", "content": content, "tool_calls": calls}
 

@@ -17,7 +17,7 @@ from engine.constraints import Constraint
 from engine.errors import ValidationError
 from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ToolUse
+from engine.tool_calls import FUNCTION_NAME, ToolUse
 
 # Prompts in one completions request (each is an engine request; past the queue's room they
 # get 429), bounded before any is encoded.
@@ -245,7 +245,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(_Body):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=f"^{FUNCTION_NAME}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
     strict: bool | None = None  # forced calls always keep to the schema
