@@ -49,23 +49,25 @@ class RMSNorm(nn.Module):
 # 31.2 us at 1 row and 21.4 vs 26.8 at 2; at 4 rows they are even, from 8 cuBLAS wins.
 SKINNY_MAX_ROWS = 2
 
+_HAS_ONEDNN = torch.backends.mkldnn.is_available()
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T, the way each device runs it fastest.
+    """x @ weight.T (+ bias), the way each device runs it fastest.
 
-    On the CPU, MKL computes the same product as (weight @ x.T).T up to 1.5x faster for
-    the few-row batches of decoding, and never slower for long prefills (measured on the
-    CI machine, see benchmarks/RESULTS.md). The result is a transposed view; the ops that
-    follow accept any strides, and the next projection reads it back as contiguous.
+    On the CPU, oneDNN's matmul rather than MKL's (F.linear's). On the CI machine, an AMD
+    EPYC with AVX-512, MKL's sgemm peaks near 180 GFLOP/s and slows several-fold at row
+    counts that are not a multiple of 16, where oneDNN's reaches about 420 with AVX-512: a
+    model's projections take half the time or less, prefills and decodes alike
+    (benchmarks/RESULTS.md).
 
     On CUDA a decode batch of at most SKINNY_MAX_ROWS rows is a weight read, and the
     skinny-GEMM Triton kernel is built for exactly that (one pass over the weight, wide
     loads, every row of x per weight tile). Anything else (prefills, float32, strided x)
     goes to F.linear (cuBLAS).
     """
-    if x.device.type == "cpu":
-        out = (weight @ x.T).T
-        return out if bias is None else out + bias
+    if x.device.type == "cpu" and _HAS_ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if takes_skinny_kernel(x, weight, bias):
         from engine.kernels import triton_linear
 
