@@ -1,13 +1,13 @@
 """AsyncEngine: LLMEngine's loop, driven from asyncio.
 
-The loop (run_engine_loop) owns all engine state and runs on a thread of this process
+The loop (run_engine_loop) owns all engine state, on a thread of this process
 (EngineThread) or in a child process (engine/engine_process.py). Callers put Submit and
-Cancel into its inbox and read events from a RequestStream per request; a submit beyond
+Cancel into its inbox and read a RequestStream per request; a submit beyond
 max_queued_requests is refused at once (EngineOverloaded), so a burst cannot grow memory
-without bound. The loop reports one LoopOutput per inbox drain and per step, which
-AsyncEngine.deliver hands out on the core's thread: admissions settle submit() futures,
-events go to their streams through call_soon_threadsafe, and the immutable EngineStats
-is published by swapping one reference, so readers need no lock.
+without bound. Each LoopOutput (one per inbox drain and per step) is handed out by
+AsyncEngine.deliver on the core's thread: admissions settle submit() futures, events go
+to their streams through call_soon_threadsafe, and the immutable EngineStats is published
+by swapping one reference, so readers need no lock.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from functools import partial
 
 from engine.engine import LLMEngine
 from engine.errors import EngineError, ModelLoadError, ValidationError
+from engine.grammar import PendingGrammar
 from engine.outputs import CandidateEvent, FinishReason
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams, validate_request
@@ -94,11 +95,10 @@ def run_engine_loop(
     deliver: Callable[[LoopOutput], None],
 ) -> None:
     """Drain the inbox, step, report; until a Stop. take(block) returns the items waiting
-    (block: wait a while for the first, as there is nothing else to do). Draining before
-    every step makes a cancel that arrives during step t take its request out before step
-    t + 1: a caller who leaves costs at most the step already running."""
+    (block: wait a while for the first, there being nothing else to do). A cancel that
+    arrives during step t takes its request out before step t + 1."""
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
-    compiling: dict[int, _Compiling] = {}  # ticket -> a Submit whose constraint compiles
+    compiling: dict[int, tuple[Submit, PendingGrammar]] = {}  # by ticket
 
     def report(admissions: list[tuple[int, EngineError | None]], events: list) -> None:
         finished = {e.request_id for e in events if e.request_id not in engine.requests}
@@ -117,23 +117,22 @@ def run_engine_loop(
                 engine.aborts[withdrawn[item.ticket].door, "inbox"] += 1
                 admissions.append((item.ticket, EngineError("cancelled before admission")))
             elif isinstance(item, Submit) and item.params.constraint is not None:
-                grammar = engine.grammars.start(item.params.constraint)
-                compiling[item.ticket] = _Compiling(item, grammar, time.monotonic())
+                compiling[item.ticket] = (item, engine.grammars.start(item.params.constraint))
             elif isinstance(item, Submit):
                 admissions.append((item.ticket, _admit(engine, item, tickets)))
             else:
-                for ticket in [t for t, c in compiling.items() if c.cancelled_by(item)]:
-                    del compiling[ticket]
-                    engine.aborts[item.door, "compiling"] += 1
-                    admissions.append((ticket, EngineError("cancelled before admission")))
+                for ticket, (submit, _) in list(compiling.items()):
+                    if submit.request_id == item.request_id and item.ticket in (None, ticket):
+                        del compiling[ticket]
+                        engine.aborts[item.door, "compiling"] += 1
+                        admissions.append((ticket, EngineError("cancelled before admission")))
                 if item.ticket is None or tickets.get(item.request_id) == item.ticket:
                     events += engine.abort_request(item.request_id, item.door)
-        # A compiled constraint's Submit is admitted now; one past the time limit refused.
-        limit = engine.grammars.time_limit if compiling else 0.0
-        for ticket, waiting in list(compiling.items()):
-            if waiting.grammar.done() or time.monotonic() - waiting.started > limit:
+        # A Submit is admitted once its constraint is compiled, refused once it cannot be.
+        for ticket, (submit, grammar) in list(compiling.items()):
+            if grammar.settled:
                 del compiling[ticket]
-                admissions.append((ticket, _admit(engine, waiting.submit, tickets, waiting)))
+                admissions.append((ticket, _admit(engine, submit, tickets, grammar)))
         # Reported before the step: a refused submit hears at once, and admitted
         # requests count as waiting while the step runs.
         if items or admissions:
@@ -141,32 +140,16 @@ def run_engine_loop(
         if engine.has_unfinished_requests:
             report([], engine.step())
         elif compiling:  # nothing to step: wait for a compile, not in a busy loop
-            futures.wait([c.grammar for c in compiling.values()], timeout=_COMPILE_POLL_SECONDS)
-
-
-@dataclass
-class _Compiling:
-    """A Submit whose constraint compiles off the loop (engine/grammar.py)."""
-
-    submit: Submit
-    grammar: Future
-    started: float
-
-    def cancelled_by(self, cancel: Cancel) -> bool:
-        request_id, ticket = self.submit.request_id, self.submit.ticket
-        return cancel.request_id == request_id and cancel.ticket in (None, ticket)
+            futures.wait([g.future for _, g in compiling.values()], timeout=_COMPILE_POLL_SECONDS)
 
 
 def _admit(
-    engine: LLMEngine, item: Submit, tickets: dict[str, int], compiled: _Compiling | None = None
+    engine: LLMEngine, item: Submit, tickets: dict[str, int], grammar: PendingGrammar | None = None
 ) -> EngineError | None:
-    """Add the Submit's request to the engine (with its compiled constraint's masks); the
+    """Add the Submit's request to the engine (under its compiled constraint's masks); the
     error that refused it, or None."""
     try:
-        token_mask = None
-        if compiled is not None:
-            grammar = engine.grammars.result(compiled.grammar, item.params.constraint, wait=False)
-            token_mask = engine.grammars.masks(grammar)
+        token_mask = engine.grammars.masks(grammar.matcher()) if grammar else None
         engine.add_request(
             item.request_id, item.prompt_token_ids, item.params, item.priority, token_mask
         )
@@ -184,17 +167,16 @@ def run_core(
     take: Callable[[bool], list[Submit | Cancel | Stop]],
     send: Callable[[EngineInfo | LoopOutput | Failed], None],
 ) -> bool:
-    """An engine's life on the thread or in the process that runs its loop: build it, warm
-    it up (engine/warmup.py) there, where its kernels and torch's per-thread state such as
-    the OpenMP pool must live, send its first stats, then its EngineInfo (it is ready), and
-    run the loop until a Stop. A failure at any point is sent as Failed; returns whether it
-    ended by a Stop."""
+    """An engine's life where its loop runs (there its kernels and torch's per-thread state
+    such as the OpenMP pool must live): build it, warm it up, send its first stats and then
+    its EngineInfo (it is ready), run the loop. A failure is sent as Failed; returns whether
+    it ended by a Stop."""
     try:
         engine = build()
         if warmup:
             warm_up(engine)
         send(LoopOutput([], [], set(), engine.stats()))
-        send(engine.info())
+        send(engine.info)
         run_engine_loop(engine, take, send)
         return True
     except BaseException as exc:
@@ -204,13 +186,10 @@ def run_core(
 
 
 class EngineCore:
-    """Where the loop runs: _worker, a thread of this process (EngineThread) or a child
-    process (engine/engine_process.py), runs run_core over _inbox (a queue.Queue or a
-    multiprocessing queue) and what it sends comes back to receive(). start() returns once
-    the engine can take requests and has delivered its first LoopOutput (its stats); later
-    ones go to `deliver`, and `died` is called once if the loop ends other than by
-    shutdown(). put() never blocks or refuses (neither queue has a bound): AsyncEngine
-    bounds what it lets in."""
+    """Where the loop runs: _worker (a thread, or a child process) runs run_core over
+    _inbox, and what it sends comes back to receive(). start() returns once the engine is
+    ready and has delivered its first stats; `died` is called once if the loop ends other
+    than by shutdown(). put() never blocks (AsyncEngine bounds what it lets in)."""
 
     name: str  # what errors call it
     info: EngineInfo
@@ -254,14 +233,13 @@ class EngineCore:
 
 
 class EngineThread(EngineCore):
-    """The loop on a thread of this process, sharing its interpreter with the event loop;
-    with `warmup`, start() returns only after the warm-up has run on that thread."""
+    """The loop on a thread of this process, sharing its interpreter with the event loop."""
 
     name = "engine loop"
 
     def __init__(self, engine: LLMEngine, warmup: bool = True):
         self.engine = engine
-        self.info = engine.info()
+        self.info = engine.info
         self.tokenizer = engine.tokenizer
         self._inbox = queue.Queue()
         args = (lambda: engine, warmup, partial(drain, self._inbox), self.receive)
@@ -344,9 +322,8 @@ class AsyncEngine:
 
     @property
     def stalled_seconds(self) -> float:
-        """How long work has been outstanding with no LoopOutput, so a watchdog can tell a
-        stuck loop from a busy or an idle one: a loop stepping normally delivers after every
-        step, so this stays near one step's time; an idle loop is never stalled."""
+        """How long work has been outstanding with no LoopOutput: about a step's time for a
+        loop that steps, 0 for an idle one, growing for a stuck one (the watchdog's test)."""
         return time.monotonic() - self._last_progress if self.has_work else 0.0
 
     def is_running(self, request_id: str) -> bool:
@@ -373,9 +350,8 @@ class AsyncEngine:
         A caller cancelled while it waits takes the request back with it."""
         if self._stopping or self.fatal_error is not None:
             raise EngineStopped(self.fatal_error or "the engine loop is stopped")
-        # Before anything is built from the request's sizes (n mailboxes here, a copy for
-        # the engine's process): an n of 10**9 is refused, not allocated. The engine checks
-        # again on admission.
+        # Before anything is built from its sizes (n mailboxes, a copy for the engine's
+        # process): an n of 10**9 is refused, not allocated. Admission checks again.
         vocab_size, max_model_len = self.info.vocab_size, self.info.max_model_len
         validate_request(params, priority, vocab_size, len(prompt_token_ids), max_model_len)
         if self.num_queued >= self.max_queued_requests:
@@ -410,18 +386,6 @@ class AsyncEngine:
         """Abort whatever request has this id, from any thread; its final events say
         CANCELLED. Idempotent. Counted under door."""
         self.core.put(Cancel(request_id, door))  # never refused: a cancel only frees work
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        door: str = "api",
-    ) -> AsyncIterator[CandidateEvent]:
-        """Submit and iterate; leaving the loop early (or being cancelled) aborts the request."""
-        async for event in await self.submit(request_id, prompt_token_ids, params, priority, door):
-            yield event
 
     # ---- on the core's thread ------------------------------------------------------------
 

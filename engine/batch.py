@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.kernels.dispatch import use_triton
+from engine.kernels.step_inputs import step_inputs
 
 
 class BatchChanges(NamedTuple):
@@ -102,15 +102,9 @@ class DeviceBatch:
     def inputs(
         self, row_slots: torch.Tensor, positions: torch.Tensor, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per flat row (its slot and position, int64): the input token id and the KV slot
-        its K/V go to (-1, nowhere, for padding rows). On CUDA one kernel, not a dozen:
-        at batch 1 each launch is a measurable part of a step."""
+        """Per flat row (its slot and position): its input token id and its KV slot."""
         tables = (self.token_ids, self.block_table, block_size, self.padding_slot)
-        if use_triton(row_slots):
-            from engine.kernels import triton_kernels
-
-            return triton_kernels.step_inputs(row_slots, positions, *tables)
-        return step_inputs_torch(row_slots, positions, *tables)
+        return step_inputs(row_slots, positions, *tables)
 
     def write_tokens(self, token_index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Sampled tokens into their rows (token_index: slot * token_width + position)."""
@@ -127,18 +121,3 @@ class DeviceBatch:
         positions = torch.arange(width, device=ids.device)
         whole = ids.masked_fill(positions >= ends[:, None], pad)
         return whole, whole.masked_fill(positions < starts[:, None], pad)
-
-
-def step_inputs_torch(
-    row_slots: torch.Tensor,
-    positions: torch.Tensor,
-    token_table: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    padding_slot: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    token_width, block_width = token_table.shape[1], block_table.shape[1]
-    input_ids = token_table.view(-1)[row_slots * token_width + positions].long()
-    blocks = block_table.view(-1)[row_slots * block_width + positions // block_size]
-    kv_slots = blocks.long() * block_size + positions % block_size
-    return input_ids, kv_slots.masked_fill(row_slots == padding_slot, -1)

@@ -1,10 +1,8 @@
 """LLMEngine: the synchronous core. add_request / abort_request / step, nothing else.
 
-One step = schedule -> a StepPlan of arrays -> the runner queues the model and the
-sampler on the device -> (one step later) append tokens, detokenize, check stops ->
-events. Under token masks the sampler is queued after the step before is collected, so
-each mask follows every token before its row. The offline LLM class and the async engine both drive this object; neither it
-nor they know about gRPC or HTTP.
+One step = schedule -> a StepPlan of arrays -> the runner queues the model and the sampler
+on the device -> (a step later) append tokens, detokenize, check stops -> events. The
+offline LLM class and the async engine both drive it; none of them knows gRPC or HTTP.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.startup import start_up
-from engine.stats import EngineInfo, EngineStats
+from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -79,14 +77,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         parts = start_up(config)
-        self.model_path, self.tokenizer = parts.model_path, parts.tokenizer
-        self.model_config, self.runner = parts.model_config, parts.runner
-        self.startup = parts.startup
-        self.pool_tokens, self.max_model_len = parts.pool_tokens, parts.max_model_len
-        eos_ids = (*self.tokenizer.eos_token_ids, *self.model_config.eos_token_ids)
-        self.eos_token_ids = frozenset(eos_ids)
+        self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
+        self.runner, self.info = parts.runner, parts.info  # the warm-up adds its time to info
+        self.eos_token_ids = frozenset(self.info.eos_token_ids)
         caching = config.cache.enable_prefix_caching
-        self.block_manager = BlockManager(parts.num_blocks, config.block_size, caching)
+        self.block_manager = BlockManager(self.info.kv_num_blocks, config.block_size, caching)
         num_slots, runner = config.scheduler.max_num_seqs, self.runner
         slots = SlotBook(num_slots, runner.token_width, runner.block_width)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, slots)
@@ -106,17 +101,16 @@ class LLMEngine:
     @functools.cached_property
     def prompts(self) -> PromptEncoder:
         """Prompts to token ids, checked against this engine's vocabulary and context."""
-        mc = self.model_config
-        bounds = f" (model {mc.max_position_embeddings}, KV pool {self.pool_tokens})"
-        return PromptEncoder(self.tokenizer, mc.vocab_size, self.max_model_len, bounds)
+        info, model_len = self.info, self.model_config.max_position_embeddings
+        bounds = f" (model {model_len}, KV pool {info.kv_capacity_tokens})"
+        return PromptEncoder(self.tokenizer, info.vocab_size, info.max_model_len, bounds)
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
-        """Compiles structured output's constraints for this engine's tokenizer. Built on
-        first use (the warm-up makes it): reading the vocabulary takes ~0.3 s."""
-        vocab_size, timeout = self.model_config.vocab_size, self.config.grammar_compile_timeout
-        eos = sorted(self.eos_token_ids)
-        return GrammarCompiler(self.tokenizer, vocab_size, eos, time_limit=timeout)
+        """Compiles constraints for this engine's tokenizer; built by the warm-up (reading
+        the vocabulary takes ~0.3 s)."""
+        info, timeout = self.info, self.config.grammar_compile_timeout
+        return GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids, timeout)
 
     def add_request(
         self,
@@ -186,29 +180,15 @@ class LLMEngine:
         self._start_counting()
 
     def _start_counting(self) -> None:
-        """Arrival order, the seeds of unseeded requests and the cumulative work counters
-        (EngineStats) from their beginning. Prompt tokens count what was computed:
-        prefix-cache hits are not, a prompt recomputed after preemption is again, and
-        recomputed output tokens count in neither."""
+        """Arrival order, unseeded requests' seeds and the work counters (EngineStats) from
+        their beginning. Prompt tokens count what was computed: not prefix-cache hits, a
+        prompt recomputed after preemption again, recomputed output tokens in neither."""
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.config.engine_seed)
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.aborts: collections.Counter[tuple[str, str]] = collections.Counter()
-
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            model_path=str(self.model_path),
-            architecture=self.model_config.architecture,
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-            eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            kv_block_size=self.block_manager.block_size,
-            kv_num_blocks=self.block_manager.num_blocks,
-            kv_capacity_tokens=self.pool_tokens,
-            startup=self.startup,
-        )
 
     def stats(self) -> EngineStats:
         """A snapshot of load and counters; call it on the thread that steps the engine."""
@@ -232,21 +212,19 @@ class LLMEngine:
 
     def step(self) -> list[CandidateEvent]:
         """Schedule and queue a step; return the events of the steps that finished. With
-        async scheduling the device runs a step ahead: this call queues step t+1, and only
-        then waits for step t and turns its tokens into events, so the host's work between
-        two steps overlaps the device's. Without it (the CPU), each call runs its own step.
+        async scheduling the device runs a step ahead: this call queues step t+1, then
+        waits for step t and turns its tokens into events, so the host's work overlaps the
+        device's. Without it (the CPU), each call runs its own step.
 
         A step sampled under token masks is queued in two halves: its forward at once, its
-        sampling at the next call, just before the forward of the step after it. Its masks
-        follow the tokens of the step before it: they are filled on a thread from when
-        those are read back, while the host makes their events and plans the next step,
-        and the device runs the forward."""
+        sampling at the next call, just before the next step's forward. Its masks follow
+        the tokens of the step before it: they fill on a thread from when those are read
+        back, while the host makes their events and plans the next step."""
         events: list[CandidateEvent] = []
         in_flight, self._in_flight = self._in_flight, []
-        waiting = None  # the newest step, if its sampling waits for masks
-        if in_flight and in_flight[-1].launched is None:
-            *before, waiting = in_flight
-            for step in before:  # at most one: the step whose tokens the masks follow
+        waiting = in_flight[-1] if in_flight and in_flight[-1].launched is None else None
+        if waiting is not None:  # first the step whose tokens its masks follow
+            for step in in_flight[:-1]:
                 events += self._collect(step, then_fill=waiting)
             in_flight = [waiting]
         if self.proposer is not None:  # it guesses from the tokens on the host
@@ -254,14 +232,13 @@ class LLMEngine:
             in_flight, waiting = [], None
         launched = self._launch(self.scheduler.schedule(), events, waiting)
         in_flight = [s for s in in_flight if s.launched is not None]  # less a failed sampling
-        if launched is None or not self.config.uses_async_scheduling:
-            self._complete(in_flight + ([launched] if launched else []), events)
-        else:
-            # In flight stay the new step and, if it waits for masks, the step before it.
+        in_flight += [launched] if launched is not None else []
+        # In flight stay the new step and, if it waits for masks, the step before it.
+        keep = 0
+        if launched is not None and self.config.uses_async_scheduling:
             keep = 1 if launched.launched is not None else 2
-            in_flight.append(launched)
-            self._complete(in_flight[:-keep], events)
-            self._in_flight = in_flight[-keep:]
+        self._complete(in_flight[: len(in_flight) - keep], events)
+        self._in_flight = in_flight[len(in_flight) - keep :]
         return events
 
     def _complete(self, steps: list[_StepInFlight], events: list[CandidateEvent]) -> None:

@@ -24,10 +24,12 @@ import functools
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
@@ -65,27 +67,14 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache is read and filled from several threads
 
-    def start(self, constraint: Constraint) -> Future[llguidance.LLMatcher]:
-        """Compile on the pool; the future raises ValidationError for what cannot be."""
-        return self._pool.submit(self._compile, constraint)
+    def start(self, constraint: Constraint) -> PendingGrammar:
+        """Compile on the pool."""
+        future = self._pool.submit(self._compile, constraint)
+        return PendingGrammar(constraint, future, time.monotonic(), self.time_limit)
 
     def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         """Compile and wait, up to the time limit."""
-        return self.result(self.start(constraint), constraint)
-
-    def result(
-        self, future: Future[llguidance.LLMatcher], constraint: Constraint, wait: bool = True
-    ) -> llguidance.LLMatcher:
-        """A started compile's matcher (waiting up to the time limit when `wait`), or its
-        ValidationError; past the limit it is refused."""
-        try:
-            return future.result(timeout=self.time_limit if wait else 0)
-        except FutureTimeout:
-            future.cancel()  # if it never started; a running build finishes unread
-            raise ValidationError(
-                constraint.field,
-                f"did not compile within {self.time_limit:g} s; simplify it",
-            ) from None
+        return self.start(constraint).matcher(wait=True)
 
     def masks(self, start: llguidance.LLMatcher) -> Callable[[], TokenMask]:
         """Makes one candidate's mask each call, from a compiled constraint."""
@@ -106,6 +95,33 @@ class GrammarCompiler:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return matcher
+
+
+@dataclass
+class PendingGrammar:
+    """A constraint compiling on the pool, until it is built, refused or out of time."""
+
+    constraint: Constraint
+    future: Future[llguidance.LLMatcher]
+    started: float  # time.monotonic()
+    time_limit: float
+
+    @property
+    def settled(self) -> bool:
+        """matcher() answers at once: built, refused, or past the time limit."""
+        return self.future.done() or time.monotonic() - self.started > self.time_limit
+
+    def matcher(self, wait: bool = False) -> llguidance.LLMatcher:
+        """The compiled constraint (with `wait`, waiting up to the time limit), or the
+        ValidationError that refuses it: why it cannot be compiled, or that it is late."""
+        left = self.time_limit - (time.monotonic() - self.started)
+        try:
+            return self.future.result(timeout=max(0.0, left) if wait else 0)
+        except FutureTimeout:
+            self.future.cancel()  # if it never started; a running build finishes unread
+            raise ValidationError(
+                self.constraint.field, f"did not compile within {self.time_limit:g} s; simplify it"
+            ) from None
 
 
 def _grammar(constraint: Constraint) -> str:

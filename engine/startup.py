@@ -1,12 +1,12 @@
 """Start-up: from an EngineConfig to the model on its runner, the KV pool sized and
-allocated, the CUDA graphs captured; each phase logged and timed (StartupTimes)."""
+allocated, the CUDA graphs captured; each phase logged and timed (StartupTimes), and
+what the engine then is (EngineInfo)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.config import EngineConfig
@@ -17,7 +17,7 @@ from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
 from engine.runner import ModelRunner
-from engine.stats import StartupTimes
+from engine.stats import EngineInfo, StartupTimes
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -25,17 +25,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineParts:
-    model_path: Path
     tokenizer: Tokenizer
     model_config: ModelConfig
     runner: ModelRunner  # its KV pool allocated, its CUDA graphs captured
-    num_blocks: int
-    pool_tokens: int
-    # The most tokens one sequence holds: the model's context, capped by max_model_len
-    # and by the pool. A sequence must fit the pool on its own; that is what makes
-    # preemption deadlock-free.
-    max_model_len: int
-    startup: StartupTimes
+    # Its max_model_len is the most tokens one sequence holds: the model's context, capped
+    # by the max_model_len setting and by the pool. A sequence must fit the pool on its
+    # own; that is what makes preemption deadlock-free.
+    info: EngineInfo
 
 
 def start_up(config: EngineConfig) -> EngineParts:
@@ -89,5 +85,15 @@ def start_up(config: EngineConfig) -> EngineParts:
         max_model_len,
         "CUDA graphs" if use_graphs else "eager",
     )
-    parts = (model_path, tokenizer, mc, runner, num_blocks, pool_tokens, max_model_len, startup)
-    return EngineParts(*parts)
+    info = EngineInfo(
+        model_path=str(model_path),
+        architecture=mc.architecture,
+        max_model_len=max_model_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=tuple(sorted({*tokenizer.eos_token_ids, *mc.eos_token_ids})),
+        kv_block_size=block_size,
+        kv_num_blocks=num_blocks,
+        kv_capacity_tokens=pool_tokens,
+        startup=startup,
+    )
+    return EngineParts(tokenizer, mc, runner, info)

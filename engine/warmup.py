@@ -78,7 +78,7 @@ class _Plan:
         self.chunked = cfg.enable_chunked_prefill
         self.prefix_caching = engine.config.cache.enable_prefix_caching
         self.block_size = engine.block_manager.block_size
-        self.max_len = engine.max_model_len
+        self.max_len = engine.info.max_model_len
         self.vocab = engine.model_config.vocab_size
         self._rng = random.Random(seed)
 
@@ -217,7 +217,8 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     gc.collect()
     gc.freeze()
     report.seconds = time.monotonic() - start
-    engine.startup = dataclasses.replace(engine.startup, warmup=report.seconds)
+    startup = dataclasses.replace(engine.info.startup, warmup=report.seconds)
+    engine.info = dataclasses.replace(engine.info, startup=startup)
     log.info(
         "warm-up: %d requests in %d steps, %.2f s (mixed steps with %s decode rows; "
         "CUDA-graph batch sizes %s)",

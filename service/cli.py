@@ -103,7 +103,7 @@ def cmd_warmup(args: argparse.Namespace, settings: Settings) -> int:
     where = engine_config.kernel_cache_dir or "the compilers' default caches"
     print(
         f"warm-up done: {report.num_requests} requests, {report.num_steps} steps; "
-        f"{engine.startup.describe()}; kernels in {where}"
+        f"{engine.info.startup.describe()}; kernels in {where}"
     )
     return 0
 

@@ -43,7 +43,7 @@ async def test_concurrent_streams_match_offline(async_engine, engine):
     async def collect(i, prompt):
         texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
         finals = []
-        async for ev in async_engine.generate(f"s{i}", prompt, params):
+        async for ev in await async_engine.submit(f"s{i}", prompt, params):
             texts[ev.index] += ev.text
             tokens[ev.index] += ev.token_ids
             if ev.finished:
@@ -69,7 +69,7 @@ async def test_validation_error_raised_at_submit(async_engine):
 async def test_leaving_the_stream_early_cancels(async_engine, engine):
     params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
     seen = 0
-    async for _ in async_engine.generate("early", [1, 2, 3], params):
+    async for _ in await async_engine.submit("early", [1, 2, 3], params):
         seen += 1
         if seen == 3:
             break

@@ -52,7 +52,7 @@ async def test_greedy_streams_equal_the_offline_engine(process_engine, tiny_mode
 
     async def run(i: int, prompt: list[int]) -> dict[int, list[int]]:
         tokens: dict[int, list[int]] = {0: [], 1: []}
-        async for event in process_engine.generate(f"g{i}", prompt, params):
+        async for event in await process_engine.submit(f"g{i}", prompt, params):
             tokens[event.index] += event.token_ids
             if event.finished:
                 assert event.finish_reason is FinishReason.LENGTH

@@ -241,7 +241,7 @@ async def test_tokenize_model_info_health_and_reflection(server):
     assert err.value.details() == "input: set one of text or chat"
     info = await stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.architecture == "LlamaForCausalLM" and info.kv_num_blocks == 128
-    assert info.max_context_length == core.max_model_len
+    assert info.max_context_length == core.info.max_model_len
     health_stub = health_pb2_grpc.HealthStub(channel)
     for name in ("", SERVICE_NAME):
         status = await health_stub.Check(health_pb2.HealthCheckRequest(service=name))

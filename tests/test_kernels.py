@@ -18,7 +18,6 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from engine.batch import step_inputs_torch
 from engine.kernels import fused_add_rms_norm, rms_norm, rotary_and_store_kv, silu_and_mul
 from engine.kernels.activation import silu_and_mul_torch
 from engine.kernels.dispatch import triton_importable
@@ -26,6 +25,7 @@ from engine.kernels.kv_cache import store_kv_torch
 from engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from engine.kernels.race import exponential_race_torch
 from engine.kernels.rotary import rotary_and_store_kv_torch, rotary_qk_torch
+from engine.kernels.step_inputs import step_inputs_torch
 from engine.model.rope import RotaryEmbedding
 
 EPS = 1e-6

@@ -40,7 +40,7 @@ async def run(
     engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams
 ) -> list[CandidateEvent]:
     """All events of one request."""
-    return [event async for event in engine.generate(request_id, prompt, params)]
+    return [event async for event in await engine.submit(request_id, prompt, params)]
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -62,7 +62,7 @@ async def stats_while_running(engine: AsyncEngine, request_id: str, prompt: list
     it is still running when the consumer looks unless the consumer lags 200 steps behind
     the engine (a request of a few tokens could be over by then on a loaded machine)."""
     params = SamplingParams(max_tokens=200, **GREEDY)  # 203 of the pool's 256 tokens
-    async for _ in engine.generate(request_id, prompt, params):
+    async for _ in await engine.submit(request_id, prompt, params):
         during = engine.stats  # published before the event: at least as new
         break  # leaving the loop cancels the request
     for _ in range(500):

@@ -64,7 +64,7 @@ async def serve_and_call(tracer: RequestTracer, core: LLMEngine, request: bytes,
             if request == b"bad":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad prompt")
             params = SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True)
-            async for event in engine.generate("traced", list(request), params):
+            async for event in await engine.submit("traced", list(request), params):
                 if event.finished:
                     finals.append(event)
             return b"ok"
