@@ -1,16 +1,14 @@
 """The persistent batch: every running sequence's token ids and KV blocks, on the device.
 
 A running sequence owns a slot: its row of the token table (token ids by position) and of
-the block table (KV blocks in order), on the device while it runs. A step reads its input
-ids, KV slots and pages from them, and the sampler writes each new token into its row: so a
-step can be queued before the host has read the previous step's tokens, and a penalty
-reads a history where it already is.
+the block table (KV blocks in order). A step reads its input ids, KV slots and pages from
+them, and the sampler writes each new token into its row: a step can be queued before the
+host has the previous step's tokens, and a penalty reads a history where it already is.
 
-The host (SlotBook) keeps the free slots and how much of each block row the device has, and
-sends only what changed before a step (BatchChanges): rows of sequences placed in a slot,
-blocks appended to a row, tokens a proposer wrote. A freed slot's rows stay as they are:
-nothing reads a row beyond its sequence's length. Row num_slots is padding: all block 0
-(the page a CUDA graph's padding rows attend to) and token 0.
+The host (SlotBook) keeps the free slots and sends only what changed (BatchChanges): rows
+of sequences placed in a slot, blocks appended, tokens a proposer wrote. A freed slot's rows
+stay as they are: nothing reads a row past its sequence's length. Row num_slots is padding,
+all block 0 (the page a CUDA graph's padding rows attend to) and token 0.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """EngineProcess: the engine loop in a child process of its own (an AsyncEngine core).
 
-Why: at GPU speed the engine's host work per step (scheduling, inputs, detokenizing) and
-the server's per-token gRPC writes each need most of a core. On one interpreter they take
-turns holding its lock, and the server's writes stretch the step the GPU waits for
-(benchmarks/RESULTS.md, serving on the H200); in a child process each has its own.
-
-How: the child is spawned (CUDA cannot be forked) and runs engine.async_engine.run_core
-(so the kernels are built in the process that runs them) over two multiprocessing queues:
-requests in, what it sends out. Both have feeder threads, so a put never blocks either
-side: the event loop never waits for the child, nor the child for the parent. A reader
-thread in the parent hands what comes out to EngineCore.receive. The child exits when
-told to, or by itself when the parent is gone, so it never holds the GPU as an orphan.
+At GPU speed the engine's host work per step and the server's per-token gRPC writes each
+need most of a core; on one interpreter they take turns holding its lock, and the writes
+stretch the step the GPU waits for (benchmarks/RESULTS.md). The child is spawned (CUDA
+cannot be forked) and runs run_core over two multiprocessing queues, whose feeder threads
+keep a put from ever blocking either side; a reader thread in the parent hands what comes
+out to EngineCore.receive. The child exits when told to, or when its parent is gone.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Runs one step on the model: a StepPlan of arrays -> forward -> logits -> samples.
 
-The runner owns what lives on the device: the KV pool (one tensor per layer, layout in
-engine/attention/base.py) and the persistent batch's tables (engine/batch.py); it knows
-nothing of requests. execute() moves a StepPlan's arrays to the device in one asynchronous
-copy, writes its changes into the tables and reads its input ids and KV slots from them,
-replays a CUDA graph (a pure-decode step, engine/cuda_graphs.py) or runs the model
-eagerly, and queues the sampler, whose tokens go into the token table on the device: the
-next step can be queued before they reach the host. collect() waits and reads the samples
-back: on CUDA the one host sync of a step, which the engine puts after queueing the next.
-A step sampled under token masks (structured output) is queued in two halves, forward()
-and then sample(allowed): the host fills the masks while the device runs the forward.
+The runner owns what lives on the device, the KV pool (layout: engine/attention/base.py)
+and the persistent batch's tables (engine/batch.py), and knows nothing of requests.
+execute() uploads a StepPlan's arrays in one asynchronous copy, applies its changes to the
+tables, replays a CUDA graph (a pure-decode step) or runs the model eagerly, and queues the
+sampler, which writes its tokens into the token table: the next step can be queued before
+they reach the host. collect() reads them back, a step's one host sync. Under token masks a
+step is queued as forward() and then sample(allowed), the masks filled in between.
 """
 
 from __future__ import annotations
@@ -172,7 +169,7 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> LaunchedStep:
-        """Queue a step's work on the device; collect() waits for it and reads it back."""
+        """Queue a step's work on the device; collect() reads it back."""
         return self.sample(self.forward(plan))
 
     @torch.inference_mode()

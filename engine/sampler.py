@@ -1,17 +1,15 @@
-"""Batched sampling: one row of logits per sequence -> next token id (+ logprobs).
+"""Batched sampling: one row of logits per sampled token -> its token id (+ logprobs).
 
 Per row, in order: repetition / presence / frequency penalties -> min_tokens ban (-inf)
 -> token mask (-inf) -> temperature -> top-k -> top-p -> min-p (one descending sort shared
 by the three) -> sample. Greedy rows take the argmax of the penalised, banned, masked
 logits and skip the rest.
 
-Vectorized on the logits' device with no host<->device sync: what depends on the batch's
-parameters (skip penalties, skip filters, all greedy, skip logprobs) is decided on the host
-when SamplingRows.build makes the rows, so the device never has to report back. The logits
-come in the model's dtype; a stage that needs float32 makes it. In the common case (no
-penalty, ban or filter) a CUDA step is one Triton pass over the logits: token masks,
-temperature, noise, race and the greedy rows' argmax together. The draw is counter-based, not a
-torch.Generator: engine/kernels/race.py.
+No host<->device sync: what depends on the batch's parameters (skip penalties, skip
+filters, all greedy, skip logprobs) is decided on the host when SamplingRows.build makes
+the rows. A stage that needs float32 makes it from the model's dtype. Without penalties,
+bans or filters a CUDA step is one Triton pass over the logits (masks, temperature, the
+counter-based noise and the race: engine/kernels/race.py).
 """
 
 from __future__ import annotations
@@ -226,33 +224,25 @@ def _penalise_and_ban(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> to
     if t.penalty_rows is None and t.banned_ids is None and not masks_here:
         return logits
     logits = logits.float()  # a copy, or a new tensor: the caller's logits stay as they are
-    vocab = t.vocab_size
-    if t.penalty_rows is not None:
-        logits = logits.index_copy(0, t.penalty_rows, _apply_penalties(logits[t.penalty_rows], t))
+    vocab, rows = t.vocab_size, t.penalty_rows
+    if rows is not None:
+        penalised = logits[rows]
+        if t.uses_repetition:
+            # HF / CTRL style: push every seen token towards "less likely" whatever its sign.
+            seen = _scatter_count(t.seen_token_ids, vocab) > 0
+            penalty = t.column("repetition_penalty")[rows][:, None]
+            pushed = torch.where(penalised > 0, penalised / penalty, penalised * penalty)
+            penalised = torch.where(seen, pushed, penalised)
+        if t.uses_counts:
+            # OpenAI style: minus per generated occurrence (frequency), once if any (presence).
+            counts = _scatter_count(t.output_token_ids, vocab)
+            penalised = penalised - t.column("frequency_penalty")[rows][:, None] * counts
+            penalised = penalised - t.column("presence_penalty")[rows][:, None] * (counts > 0)
+        logits = logits.index_copy(0, rows, penalised)
     if t.banned_ids is not None:
         logits = logits.masked_fill(_scatter_count(t.banned_ids, vocab) > 0, float("-inf"))
     if masks_here:
         logits = logits.masked_fill(~unpack_bitmask(t.allowed, vocab), float("-inf"))
-    return logits
-
-
-def _apply_penalties(logits: torch.Tensor, t: SamplingRows[torch.Tensor]) -> torch.Tensor:
-    """The penalty rows' logits (float32 [P, V]) with their penalties applied."""
-    rows = t.penalty_rows
-    if t.uses_repetition:
-        # HF / CTRL style: push every seen token towards "less likely" whatever its sign.
-        seen = _scatter_count(t.seen_token_ids, t.vocab_size) > 0
-        penalty = t.column("repetition_penalty")[rows][:, None]
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalised, logits)
-    if t.uses_counts:
-        # OpenAI style: subtract per generated occurrence (frequency) and once if any (presence).
-        counts = _scatter_count(t.output_token_ids, t.vocab_size)
-        logits = (
-            logits
-            - t.column("frequency_penalty")[rows][:, None] * counts
-            - t.column("presence_penalty")[rows][:, None] * (counts > 0).float()
-        )
     return logits
 
 

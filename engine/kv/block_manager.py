@@ -57,19 +57,14 @@ class Block:
     content: BlockContent | None = None  # set once registered; cleared when the block is reused
 
 
-@dataclass
-class PrefixCacheStats:
-    queried_tokens: int = 0  # prompt tokens looked up with match_prefix
-    hit_tokens: int = 0  # of those, tokens served from the cache
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.queried_tokens = 0  # prompt tokens looked up with match_prefix
+        self.hit_tokens = 0  # of those, tokens served from the cache
         self._blocks = [Block() for _ in range(num_blocks)]
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -96,7 +91,7 @@ class BlockManager:
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[BlockTable, int]:
         """Share the longest cached prefix of `token_ids`; return the new table and its length.
         Never the last token: its logits are needed, so it must be computed."""
-        self.prefix_cache_stats.queried_tokens += len(token_ids)
+        self.queried_tokens += len(token_ids)
         table = BlockTable()
         num_blocks = (len(token_ids) - 1) // self.block_size if self.enable_prefix_caching else 0
         while table.num_hashed_blocks < num_blocks:
@@ -112,7 +107,7 @@ class BlockManager:
             table.num_hashed_blocks += 1
             table.last_hash = block_hash
         num_cached_tokens = len(table.block_ids) * self.block_size
-        self.prefix_cache_stats.hit_tokens += num_cached_tokens
+        self.hit_tokens += num_cached_tokens
         return table, num_cached_tokens
 
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
@@ -189,7 +184,7 @@ class BlockManager:
         self._evictable_block_ids.clear()
         self._cached_block_ids.clear()
         self._next_prefix_id = itertools.count()
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.queried_tokens = self.hit_tokens = 0
 
     # ---- internals --------------------------------------------------------------------------
 
