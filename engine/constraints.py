@@ -31,9 +31,9 @@ MAX_CHOICE_CHARS = 4096
 @dataclass(frozen=True)
 class Constraint:
     kind: ConstraintKind
-    # json_schema: the schema as JSON text; regex: the pattern; grammar: EBNF in the
-    # dialect xgrammar reads (GBNF-like: `root ::= ...`); choice: the strings;
-    # json_object: nothing.
+    # json_schema: the schema as JSON text; regex: the pattern; grammar: Lark as
+    # llguidance reads it, or GBNF (`root ::= ...`); choice: the strings; json_object:
+    # nothing.
     spec: str | tuple[str, ...] = ""
     # The request field it came from ("response_format.json_schema", "constraint.regex"):
     # what refusals name. Not part of its identity: equal constraints compile once.
