@@ -15,6 +15,9 @@ the tokens its constrained answer had: both runs produce the same tokens per req
 their output tok/s compare the same work. Each run is timed --repeats times on one
 engine after a warm-up; the figures are the median's. Compile time: every schema compiled
 --compile-repeats times by a fresh compiler (no cache), p50 and p99 over all compiles.
+With --phases, one more run of each kind with the engine's parts timed (host_overhead's
+timers): wall ms per step in each, the device's waits included (the collect's sync, the
+masks' fill).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import SHAPES, write_random_model  # noqa: E402
+from benchmarks.host_overhead import timed  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
 from engine.constraints import Constraint  # noqa: E402
 from engine.grammar import GrammarCompiler  # noqa: E402
@@ -78,6 +83,33 @@ def timed_runs(llm: LLM, prompts: list[str], params: list[SamplingParams], repea
     return median, [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
 
 
+def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> dict:
+    """Wall ms per step of the engine's parts over one run (nested parts count in both)."""
+    engine, runner = llm.engine, llm.engine.runner
+    totals: dict[str, float] = defaultdict(float)
+    parts = [
+        (engine, "step", "step"),
+        (engine, "_collect", "collect: sync, masks advanced, events"),
+        (runner, "collect", "  the sync and the read-back"),
+        (engine, "_start_filling", "  the masks' fill started"),
+        (engine.scheduler, "schedule", "schedule"),
+        (engine, "_plan", "plan"),
+        (engine, "_sample_under_masks", "sampling under masks: fill wait and queue"),
+        (runner, "forward", "forward queued"),
+        (runner, "sample", "sampling queued"),
+    ]
+    for owner, attr, name in parts:
+        setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
+    steps_before = engine.num_steps
+    try:
+        llm.generate(prompts, params)
+    finally:
+        for owner, attr, _ in parts:
+            delattr(owner, attr)  # the class's method again
+    steps = engine.num_steps - steps_before
+    return {"steps": steps, **{name: round(t / steps * 1e3, 3) for name, t in totals.items()}}
+
+
 def compile_times(tokenizer_path: Path, vocab_size: int, repeats: int) -> dict:
     tokenizer = Tokenizer.from_path(tokenizer_path)
     times = []
@@ -111,6 +143,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile-repeats", type=int, default=5)
     p.add_argument("--device", default="auto")
+    p.add_argument("--phases", action="store_true", help="time the engine's parts per step")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
 
@@ -160,6 +193,14 @@ def main() -> None:
         f"overhead {100 * overhead:.1f}%; compile p50 {compiled['p50_ms']} ms, "
         f"p99 {compiled['p99_ms']} ms"
     )
+    if args.phases:
+        result["phases"] = {
+            "json_schema": phase_times(llm, prompts, constrained),
+            "none": phase_times(llm, prompts, free),
+        }
+        for name in result["phases"]["json_schema"]:
+            row = [result["phases"][kind].get(name, 0.0) for kind in ("json_schema", "none")]
+            print(f"  {name:45} {row[0]:8.3f} {row[1]:8.3f}")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2))
 
