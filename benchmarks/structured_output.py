@@ -84,20 +84,23 @@ def timed_runs(llm: LLM, prompts: list[str], params: list[SamplingParams], repea
 
 
 def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> dict:
-    """Wall ms per step of the engine's parts over one run (nested parts count in both)."""
+    """Wall ms per step of the engine's parts over one run (nested parts count in both;
+    a part an engine does not have is left out, so engines of other layouts compare)."""
     engine, runner = llm.engine, llm.engine.runner
     totals: dict[str, float] = defaultdict(float)
     parts = [
         (engine, "step", "step"),
         (engine, "_collect", "collect: sync, masks advanced, events"),
         (runner, "collect", "  the sync and the read-back"),
-        (engine, "_start_filling", "  the masks' fill started"),
+        (runner, "_allowed", "  the masks filled and copied"),
+        (engine, "_start_filling", "  the masks' fill started on a thread"),
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),
         (engine, "_sample_under_masks", "sampling under masks: fill wait and queue"),
         (runner, "forward", "forward queued"),
         (runner, "sample", "sampling queued"),
     ]
+    parts = [(owner, attr, name) for owner, attr, name in parts if hasattr(owner, attr)]
     for owner, attr, name in parts:
         setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
     steps_before = engine.num_steps
