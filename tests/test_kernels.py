@@ -239,7 +239,7 @@ def test_fused_add_rms_norm_equals_add_then_hugging_face(layout: str, dtype: tor
 def test_silu_and_mul_matches_float64(dtype: torch.dtype) -> None:
     weight = torch.randn(2 * 80, 64, dtype=dtype)
     hidden = torch.randn(9, 64, dtype=dtype)
-    gate_up = (weight @ hidden.T).T  # a transposed view: the op takes any strides
+    gate_up = (weight @ hidden.T).T  # transposed, as the CPU linear returns it for 2-4 rows
     gate, up = gate_up.double().chunk(2, dim=-1)
     expected = gate * torch.sigmoid(gate) * up
     out = silu_and_mul(gate_up)

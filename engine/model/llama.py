@@ -50,24 +50,28 @@ class RMSNorm(nn.Module):
 SKINNY_MAX_ROWS = 2
 
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
+_MKL_ROWS = range(2, 5)  # the row counts at which the CPU's linear() takes MKL
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), the way each device runs it fastest.
 
-    On the CPU, oneDNN's matmul rather than MKL's (F.linear's). On the CI machine, an AMD
-    EPYC with AVX-512, MKL's sgemm peaks near 180 GFLOP/s and slows several-fold at row
-    counts that are not a multiple of 16, where oneDNN's reaches about 420 with AVX-512: a
-    model's projections take half the time or less, prefills and decodes alike
-    (benchmarks/RESULTS.md).
+    On the CPU, oneDNN's matmul, but for 2 to 4 rows MKL's in the layout (weight @ x.T).T.
+    Measured on the CI machine, an AMD EPYC with AVX-512 (benchmarks/cpu_linear.py: a
+    step's projections of the embedded default, weights from memory), oneDNN beats either
+    MKL layout at 1 row (18 against 33 ms) and from 5 rows on (24 against 32 ms at 8 rows,
+    41 against 68 at 32, 1.47 against 2.99 s at 2,048); MKL only at 2 to 4 (15-17 vs 20-22).
 
     On CUDA a decode batch of at most SKINNY_MAX_ROWS rows is a weight read, and the
     skinny-GEMM Triton kernel is built for exactly that (one pass over the weight, wide
     loads, every row of x per weight tile). Anything else (prefills, float32, strided x)
     goes to F.linear (cuBLAS).
     """
-    if x.device.type == "cpu" and _HAS_ONEDNN:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if x.device.type == "cpu":
+        if _HAS_ONEDNN and x.shape[0] not in _MKL_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        out = (weight @ x.T).T  # a transposed view: what follows takes any strides
+        return out if bias is None else out + bias
     if takes_skinny_kernel(x, weight, bias):
         from engine.kernels import triton_linear
 
