@@ -322,15 +322,16 @@ def test_duplicate_live_request_id(llm):
     assert_pool_empty(llm)
 
 
-def test_bfloat16_on_cpu_tracks_float32(tiny_llama, llm, async_scheduling):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_on_cpu_tracks_float32(tiny_llama, llm, async_scheduling, dtype):
     bf16 = LLM(
         str(tiny_llama),
         num_blocks=64,
         block_size=4,
-        dtype="bfloat16",
+        dtype=dtype,
         async_scheduling=async_scheduling,
     )
-    assert bf16.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert bf16.engine.runner.kv_caches[0].dtype == getattr(torch, dtype)
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompts(1, vocab, seed=16, lo=24, hi=24)[0]
     params = SamplingParams(max_tokens=1, logprobs=5, prompt_logprobs=0, **GREEDY)

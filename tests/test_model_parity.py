@@ -18,7 +18,7 @@ import transformers
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.model.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, linear
 from engine.model.loader import load_model, read_hf_config
 from tests.tiny_models import write_tiny_gguf, write_tiny_model
 
@@ -358,3 +358,23 @@ def test_smollm2_matches_transformers_gguf_loading(smollm2_ours, smollm2_referen
             smollm2_reference, prompt, 32, config.eos_token_ids, pad_token_id=2
         )
         assert generated == expected_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_cpu_linear_is_x_times_weight_transposed(dtype: torch.dtype, rows: int) -> None:
+    """Whichever library the CPU's linear() takes for the dtype and row count (oneDNN, or
+    MKL), with and without a bias, on a contiguous and on a transposed input."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 40, generator=generator).to(dtype)
+    bias = torch.randn(48, generator=generator).to(dtype)
+    x = torch.randn(40, rows, generator=generator).to(dtype).T  # strided, as a layer gets it
+    tolerance = (
+        {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.2, "rtol": 0.02}
+    )
+    for b in (None, bias):
+        expected = x.double() @ weight.double().T + (0 if b is None else b.double())
+        for given in (x, x.contiguous()):
+            got = linear(given, weight, b)
+            assert got.dtype == dtype and got.shape == (rows, 48)
+            torch.testing.assert_close(got.double(), expected, **tolerance)

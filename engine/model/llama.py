@@ -50,13 +50,15 @@ class RMSNorm(nn.Module):
 SKINNY_MAX_ROWS = 2
 
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _MKL_ROWS = range(2, 5)  # the row counts at which the CPU's linear() takes MKL
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), the way each device runs it fastest.
 
-    On the CPU, oneDNN's matmul, but for 2 to 4 rows MKL's in the layout (weight @ x.T).T.
+    On the CPU, oneDNN's matmul, but MKL's in the layout (weight @ x.T).T for 2 to 4 rows
+    and for float16 (which oneDNN runs only where the CPU has AVX512-FP16).
     Measured on the CI machine, an AMD EPYC with AVX-512 (benchmarks/cpu_linear.py: a
     step's projections of the embedded default, weights from memory), oneDNN beats either
     MKL layout at 1 row (18 against 33 ms) and from 5 rows on (24 against 32 ms at 8 rows,
@@ -68,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     goes to F.linear (cuBLAS).
     """
     if x.device.type == "cpu":
-        if _HAS_ONEDNN and x.shape[0] not in _MKL_ROWS:
+        if _HAS_ONEDNN and x.dtype in _ONEDNN_DTYPES and x.shape[0] not in _MKL_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         out = (weight @ x.T).T  # a transposed view: what follows takes any strides
         return out if bias is None else out + bias
