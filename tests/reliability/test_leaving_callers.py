@@ -12,7 +12,7 @@ second after the last call ended the engine runs nothing, waits for nothing and 
 KV block, and over the next two seconds it samples no token. Each request asks for far more
 tokens than it lives to see, so a request that ran on after its caller left shows at once.
 The server's own count of aborts (pagedserve_requests_aborted_total) shows every door and
-stage was hit. It runs with the engine loop on a thread, in its own process, and with two
+stage was hit (prefill surely by the probes that follow the storm). It runs with the engine loop on a thread, in its own process, and with two
 other processes keeping the cores busy (the load that widens the races).
 
     LEAVING_CALLERS=2000 python -m pytest -q -s tests/reliability/test_leaving_callers.py
@@ -43,6 +43,7 @@ NUM_CALLS = int(os.environ.get("LEAVING_CALLERS", 420))  # at least 400 aborts i
 ARRIVAL_SECONDS = NUM_CALLS / 100  # ~100 new calls a second
 MAX_TOKENS = 180  # far more than any call lives to see: a call left running keeps sampling
 KILLED_PROCESSES, CALLS_PER_PROCESS = 3, 12
+PREFILL_PROBES = 3
 # Few running slots, so most calls wait; 8-token steps, so long prompts prefill in chunks;
 # a pool of 192 tokens, so four growing sequences cannot all fit and some are preempted.
 SERVER_ARGS = (
@@ -130,6 +131,24 @@ async def grpc_call(stub, door: str, rng: random.Random, i: int) -> str:
         assert exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), exc
         return "aborted"
     return "aborted" if pb.FINISH_REASON_CANCELLED in reasons else "finished"
+
+
+async def prefill_probe(server: ServerProcess, stub, rng: random.Random, i: int) -> str:
+    """A call with the longest prompt a sequence holds, on an idle engine, cancelled (Cancel
+    RPC) once the server's metrics show it running: its prompt, 8 tokens a step, is then
+    still prefilling. A storm's random leaving catches a prefill seldom (a few steps of a
+    request's life), so these make sure that stage is hit."""
+    ids = [rng.randrange(3, 300) for _ in range(MAX_TOKENS - 8)]
+    request = pb.GenerateRequest(
+        request_id=f"prefill-{i}",
+        token_ids=pb.TokenIds(ids=ids),
+        stopping=pb.StoppingOptions(max_tokens=8, ignore_eos=True),
+    )
+    reading = asyncio.ensure_future(_finish_reasons(stub.StreamGenerate(request), False))
+    while not reading.done() and not server.metrics()["pagedserve_num_requests_running"]:
+        await asyncio.sleep(0.001)
+    await stub.Cancel(pb.CancelRequest(request_id=request.request_id))
+    return "aborted" if pb.FINISH_REASON_CANCELLED in await reading else "finished"
 
 
 async def _finish_reasons(call, unary: bool) -> set[int]:
@@ -226,7 +245,13 @@ async def storm(server: ServerProcess, http_port: int, rng: random.Random) -> co
         results = await asyncio.gather(
             *(one(i) for i in range(NUM_CALLS)), *(killed(k) for k in range(KILLED_PROCESSES))
         )
-    flat = [r for item in results for r in (item if isinstance(item, list) else [item])]
+        flat = [r for item in results for r in (item if isinstance(item, list) else [item])]
+        while (metrics := server.metrics())["pagedserve_num_requests_waiting"] or metrics[
+            "pagedserve_num_requests_running"
+        ]:
+            await asyncio.sleep(0.01)  # the storm's last aborts land within a step or two
+        for i in range(PREFILL_PROBES):
+            flat.append(("prefill_probe", await prefill_probe(server, stub, rng, i)))
     return collections.Counter(flat)
 
 
