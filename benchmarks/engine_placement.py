@@ -28,7 +28,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,10 +48,7 @@ from engine.async_engine import AsyncEngine, EngineThread  # noqa: E402
 from engine.config import EngineConfig, engine_config_from_flat  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.engine_process import EngineProcess  # noqa: E402
-from engine.outputs import CandidateEvent  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-Generate = Callable[[str, list[int], SamplingParams], AsyncIterator[CandidateEvent]]
 
 
 def build_on_own_thread(config: EngineConfig) -> LLMEngine:
@@ -81,7 +77,7 @@ def lag_summary(lags: list[float]) -> dict:
 
 
 async def run_requests(
-    generate: Generate, work: Workload, concurrency: int, tag: str, progress: bool
+    engine: AsyncEngine, work: Workload, concurrency: int, tag: str, progress: bool
 ) -> list[RequestRecord]:
     indices = iter(range(len(work.prompts)))
     records: list[RequestRecord] = []
@@ -93,7 +89,8 @@ async def run_requests(
             params = SamplingParams(
                 max_tokens=work.output_lens[index], temperature=0.0, ignore_eos=True
             )
-            async for event in generate(f"{tag}-{index}", work.prompts[index], params):
+            stream = await engine.submit(f"{tag}-{index}", work.prompts[index], params)
+            async for event in stream:
                 if event.token_ids:
                     record.message_times.append(time.perf_counter())
                     record.message_tokens.append(len(event.token_ids))
@@ -119,15 +116,14 @@ async def measure(
         engine = AsyncEngine(EngineProcess(config))
         await asyncio.to_thread(engine.start)  # the model loads
         pids.append(engine.core.pid)
-    generate: Generate = engine.generate
-    await run_requests(generate, warm, 2, f"{placement}-warm", progress=False)
+    await run_requests(engine, warm, 2, f"{placement}-warm", progress=False)
 
     lags: list[float] = []
     stop = asyncio.Event()
     tick = asyncio.create_task(ticker(tick_s, lags, stop)) if tick_s > 0 else None
     cpu = CpuShare(pids).start()
     start = time.perf_counter()
-    records = await run_requests(generate, work, config.scheduler.max_num_seqs, placement, True)
+    records = await run_requests(engine, work, config.scheduler.max_num_seqs, placement, True)
     elapsed = time.perf_counter() - start
     cpu_share = cpu.stop()
     stop.set()
