@@ -92,7 +92,6 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (engine, "step", "step"),
         (engine, "_collect", "collect: sync, masks advanced, events"),
         (runner, "collect", "  the sync and the read-back"),
-        (runner, "_allowed", "  the masks filled and copied"),
         (engine, "_start_filling", "  the masks' fill started on a thread"),
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),

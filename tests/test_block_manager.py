@@ -304,8 +304,7 @@ def test_prefix_cache_stats_count_queried_and_hit_tokens():
     computed_table(manager, prompt)  # queries 9, hits 0
     manager.match_prefix(prompt)  # queries 9, hits 8
     manager.match_prefix([100, 101])  # queries 2, hits 0
-    stats = manager
-    assert (stats.queried_tokens, stats.hit_tokens) == (20, 8)
+    assert (manager.queried_tokens, manager.hit_tokens) == (20, 8)
 
 
 # ---- stateful model check -------------------------------------------------------------------
@@ -462,8 +461,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block_id in range(self.manager.num_blocks):
             assert ref_count(self.manager, block_id) == refs[block_id]
         assert self.manager.num_used_blocks == len(refs)
-        stats = self.manager
-        assert (stats.queried_tokens, stats.hit_tokens) == (self.queried_tokens, self.hit_tokens)
+        manager = self.manager
+        assert (manager.queried_tokens, manager.hit_tokens) == (
+            self.queried_tokens,
+            self.hit_tokens,
+        )
 
     @invariant()
     def every_sequence_reads_its_own_kv(self):

@@ -324,24 +324,24 @@ def test_duplicate_live_request_id(llm):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_on_cpu_tracks_float32(tiny_llama, llm, async_scheduling, dtype):
-    bf16 = LLM(
+    half = LLM(
         str(tiny_llama),
         num_blocks=64,
         block_size=4,
         dtype=dtype,
         async_scheduling=async_scheduling,
     )
-    assert bf16.engine.runner.kv_caches[0].dtype == getattr(torch, dtype)
+    assert half.engine.runner.kv_caches[0].dtype == getattr(torch, dtype)
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompts(1, vocab, seed=16, lo=24, hi=24)[0]
     params = SamplingParams(max_tokens=1, logprobs=5, prompt_logprobs=0, **GREEDY)
     ref = llm.generate([prompt], params)[0]
-    got = bf16.generate([prompt], params)[0]
+    got = half.generate([prompt], params)[0]
     ref_lp = torch.tensor([p.logprob for p in ref.prompt_logprobs[1:]])
     got_lp = torch.tensor([p.logprob for p in got.prompt_logprobs[1:]])
     assert ((got_lp - ref_lp).norm() / ref_lp.norm()).item() < 2e-2
     assert got.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert_pool_empty(bf16)
+    assert_pool_empty(half)
 
 
 def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama, llm, async_scheduling):

@@ -33,7 +33,6 @@ NUM_REQUESTS = int(os.environ.get("STORM_REQUESTS", 200))  # CI-sized unless set
 ARRIVAL_SECONDS = NUM_REQUESTS / 100  # arrivals spread at 100 requests/s on average
 SEED = 7
 DOORS = ("cancel_rpc", "client_cancel", "deadline")
-CONTEXT = 512  # the tiny model's
 # Few running slots so many requests queue; small steps so long prompts prefill in chunks.
 SETTINGS = dict(
     num_blocks=512, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
@@ -82,7 +81,7 @@ async def one_request(stub, core, i: int, rng: random.Random) -> tuple[str, str,
     max_tokens = rng.randint(8, 80)
     delay = rng.uniform(0.0, 1.0)
     if door == "deadline":  # all the context holds: alive at its deadline at any engine speed
-        max_tokens = CONTEXT - len(ids)
+        max_tokens = core.info.max_model_len - len(ids)
     request = pb.GenerateRequest(
         request_id=f"storm-{i}", token_ids=pb.TokenIds(ids=ids), **greedy(max_tokens)
     )

@@ -12,8 +12,9 @@ second after the last call ended the engine runs nothing, waits for nothing and 
 KV block, and over the next two seconds it samples no token. Each request asks for far more
 tokens than it lives to see, so a request that ran on after its caller left shows at once.
 The server's own count of aborts (pagedserve_requests_aborted_total) shows every door and
-stage was hit (prefill surely by the probes that follow the storm). It runs with the engine loop on a thread, in its own process, and with two
-other processes keeping the cores busy (the load that widens the races).
+stage was hit (prefill surely by the probes that follow the storm). It runs with the
+engine loop on a thread, in its own process, and with two other processes keeping the
+cores busy (the load that widens the races).
 
     LEAVING_CALLERS=2000 python -m pytest -q -s tests/reliability/test_leaving_callers.py
 """
