@@ -87,27 +87,28 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
     """Wall ms per step of the engine's parts over one run (nested parts count in both;
     a part an engine does not have is left out, so engines of other layouts compare)."""
     engine, runner = llm.engine, llm.engine.runner
+    engine_module = sys.modules[type(engine).__module__]
     totals: dict[str, float] = defaultdict(float)
     parts = [
         (engine, "step", "step"),
-        (engine, "_collect", "collect: sync, masks advanced, events"),
+        (engine, "_collect", "collect: sync, events, masks advanced"),
         (runner, "collect", "  the sync and the read-back"),
-        (engine, "_start_filling", "  the masks' fill started on a thread"),
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),
-        (engine, "_sample_under_masks", "sampling under masks: fill wait and queue"),
+        (engine_module, "fill_masks", "masks filled"),
         (runner, "forward", "forward queued"),
         (runner, "sample", "sampling queued"),
     ]
     parts = [(owner, attr, name) for owner, attr, name in parts if hasattr(owner, attr)]
+    originals = [getattr(owner, attr) for owner, attr, _ in parts]
     for owner, attr, name in parts:
         setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
     steps_before = engine.num_steps
     try:
         llm.generate(prompts, params)
     finally:
-        for owner, attr, _ in parts:
-            delattr(owner, attr)  # the class's method again
+        for (owner, attr, _), original in zip(parts, originals, strict=True):
+            setattr(owner, attr, original)
     steps = engine.num_steps - steps_before
     return {"steps": steps, **{name: round(t / steps * 1e3, 3) for name, t in totals.items()}}
 

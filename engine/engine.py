@@ -17,7 +17,6 @@ import random
 import time
 from array import array
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,12 +26,12 @@ from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, start_filling
+from engine.grammar import GrammarCompiler, fill_masks
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
 from engine.request import Request, Sequence, TokenMask
-from engine.runner import ForwardStep, LaunchedStep, StepPlan
+from engine.runner import LaunchedStep, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -63,14 +62,11 @@ _Samplers = list[tuple[Sequence, int, list[int]]]
 
 @dataclass
 class _StepInFlight:
-    """A launched step, until its results are collected."""
+    """A step queued on the device, until its results are collected."""
 
     chunks: list[ScheduledChunk]
     samplers: _Samplers
-    forward: ForwardStep | None  # kept while its sampling waits for masks
-    masks: list[tuple[int, TokenMask]]  # (first row, mask) of each sequence sampled under one
-    launched: LaunchedStep | None  # its sampling queued; None while its masks wait
-    filling: Future[np.ndarray] | None = None  # its masks, once the tokens they follow are in
+    launched: LaunchedStep
 
 
 class LLMEngine:
@@ -86,9 +82,8 @@ class LLMEngine:
         slots = SlotBook(num_slots, runner.token_width, runner.block_width)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, slots)
         self.requests: dict[str, Request] = {}
-        # Async scheduling: steps launched, not collected, oldest first (a step whose
-        # sampling waits for its masks last, behind the step its masks follow).
-        self._in_flight: list[_StepInFlight] = []
+        # Async scheduling: the step queued on the device and not collected yet.
+        self._in_flight: _StepInFlight | None = None
         self.proposer: Proposer | None = None  # set one to verify its guesses each step
         self._start_counting()
         # What start-up built (the model, the tokenizer, the block manager's blocks) lives
@@ -167,7 +162,7 @@ class LLMEngine:
     @property
     def has_unfinished_requests(self) -> bool:
         """Requests are running, or a step is still in flight (step() collects it)."""
-        return bool(self.requests) or bool(self._in_flight)
+        return bool(self.requests) or self._in_flight is not None
 
     def reset_state(self) -> None:
         """Forget all that ran, as if just built: after a warm-up, so that metrics and the
@@ -216,75 +211,49 @@ class LLMEngine:
         waits for step t and turns its tokens into events, so the host's work overlaps the
         device's. Without it (the CPU), each call runs its own step.
 
-        A step sampled under token masks is queued in two halves: its forward at once, its
-        sampling at the next call, just before the next step's forward. Its masks follow
-        the tokens of the step before it: they fill on a thread from when those are read
-        back, while the host makes their events and plans the next step."""
-        events: list[CandidateEvent] = []
-        in_flight, self._in_flight = self._in_flight, []
-        waiting = in_flight[-1] if in_flight and in_flight[-1].launched is None else None
-        if waiting is not None:  # first the step whose tokens its masks follow
-            for step in in_flight[:-1]:
-                events += self._collect(step, then_fill=waiting)
-            in_flight = [waiting]
-        if self.proposer is not None:  # it guesses from the tokens on the host
-            self._complete(in_flight, events)
-            in_flight, waiting = [], None
-        launched = self._launch(self.scheduler.schedule(), events, waiting)
-        in_flight = [s for s in in_flight if s.launched is not None]  # less a failed sampling
-        in_flight += [launched] if launched is not None else []
-        # In flight stay the new step and, if it waits for masks, the step before it.
-        keep = 0
-        if launched is not None and self.config.uses_async_scheduling:
-            keep = 1 if launched.launched is not None else 2
-        self._complete(in_flight[: len(in_flight) - keep], events)
-        self._in_flight = in_flight[len(in_flight) - keep :]
+        A step sampled under token masks queues its forward, then collects step t (its
+        masks follow t's tokens), fills the masks while the device runs the forward, and
+        queues its sampling."""
+        # A proposer guesses from the tokens on the host: step t's are read first.
+        events = self._collect_in_flight() if self.proposer is not None else []
+        launched = self._launch(self.scheduler.schedule(), events)
+        events += self._collect_in_flight()
+        if launched is not None and not self.config.uses_async_scheduling:
+            events += self._collect(launched)
+        else:
+            self._in_flight = launched
         return events
 
-    def _complete(self, steps: list[_StepInFlight], events: list[CandidateEvent]) -> None:
-        """Sample (under its masks) any step still waiting, then collect each, in order."""
-        for step in steps:
-            if step.launched is None:
-                step = self._sample_under_masks(step, events)
-            if step is not None:
-                events += self._collect(step)
+    def _collect_in_flight(self) -> list[CandidateEvent]:
+        step, self._in_flight = self._in_flight, None
+        return self._collect(step) if step is not None else []
 
-    def _launch(
-        self,
-        sched: SchedulerOutput,
-        events: list[CandidateEvent],
-        waiting: _StepInFlight | None = None,
-    ) -> _StepInFlight | None:
-        """Queue a scheduled step on the device, sampling `waiting` (the step before it,
-        its masks filling meanwhile) once this one is planned. On a failure its requests
-        end (events)."""
-        planned = None
-        if not sched.is_empty:
-            self.num_steps += 1
-            now = time.monotonic()
-            for chunk in sched.chunks:
-                timing = chunk.seq.request.timing
-                timing.first_scheduled = timing.first_scheduled or now
-            try:
-                planned = self._plan(sched.chunks)
-            except Exception as exc:  # an engine fault fails this step's requests, not the engine
-                events += self._fail_step(sched.chunks, exc)
-        if waiting is not None:
-            self._sample_under_masks(waiting, events)
-        if planned is None:
+    def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
+        """Queue a scheduled step on the device; on a failure its requests end (events)."""
+        if sched.is_empty:
             return None
-        plan, samplers, masks = planned
+        self.num_steps += 1
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            timing = chunk.seq.request.timing
+            timing.first_scheduled = timing.first_scheduled or now
         try:
-            # Under masks the sampling waits for them (_sample_under_masks).
-            forward = self.runner.forward(plan) if masks else None
-            launched = None if masks else self.runner.execute(plan)
+            plan, samplers, masks = self._plan(sched.chunks)
+            if masks:
+                forward = self.runner.forward(plan)
+                events += self._collect_in_flight()  # the tokens the masks follow
+                words = -(-self.model_config.vocab_size // 32)
+                allowed = fill_masks(masks, forward.num_samples, words)
+                launched = self.runner.sample(forward, allowed)
+            else:
+                launched = self.runner.execute(plan)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(sched.chunks, exc)
             return None
 
         for chunk in sched.chunks:
             seq = chunk.seq
-            if seq.is_finished:  # by a failed sampling of the step before
+            if seq.is_finished:  # by the step before, collected while this one was queued
                 continue
             seq.num_computed_tokens = chunk.end
             prompt_end = min(chunk.end, seq.num_prompt_tokens)
@@ -295,21 +264,7 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, known)
         for seq, num_rows, _ in samplers:
             seq.num_tokens += num_rows  # those past the accepted proposals go at collect
-        return _StepInFlight(sched.chunks, samplers, forward, masks, launched)
-
-    def _sample_under_masks(
-        self, step: _StepInFlight, events: list[CandidateEvent]
-    ) -> _StepInFlight | None:
-        """Queue a forward step's sampling once its token masks are filled (started here if
-        _collect did not start them). On a failure its requests end (events) and the step
-        is dropped (None)."""
-        try:
-            filling = step.filling or self._start_filling(step)
-            step.launched = self.runner.sample(step.forward, filling.result())
-        except Exception as exc:
-            events += self._fail_step(step.chunks, exc)
-            return None
-        return step
+        return _StepInFlight(sched.chunks, samplers, launched)
 
     def _plan(
         self, chunks: list[ScheduledChunk]
@@ -365,27 +320,12 @@ class LLMEngine:
         )
         return plan, samplers, masks
 
-    def _start_filling(self, step: _StepInFlight) -> Future[np.ndarray]:
-        words = -(-self.model_config.vocab_size // 32)
-        return start_filling(step.masks, step.forward.num_samples, words)
-
-    def _collect(
-        self, step: _StepInFlight, then_fill: _StepInFlight | None = None
-    ) -> list[CandidateEvent]:
-        """Wait for a launched step and turn its results into events. Its tokens go into
-        the masks first; then_fill's masks, which follow them, are filled meanwhile."""
+    def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
+        """Wait for a launched step and turn its results into events."""
         try:
             result = self.runner.collect(step.launched)
         except Exception as exc:  # e.g. a device error surfacing at the sync
             return self._fail_step(step.chunks, exc)
-        row = 0
-        for seq, rows, _ in step.samplers:  # a masked sequence samples one row, unproposed
-            if seq.token_mask is not None and not seq.is_finished:
-                seq.token_mask.accept(result.token_ids[row])
-            row += rows
-        if then_fill is not None:
-            then_fill.filling = self._start_filling(then_fill)
-
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
             chunk.seq.request.add_prompt_logprobs(chunk.start + 1, lps)
@@ -428,6 +368,8 @@ class LLMEngine:
     ) -> CandidateEvent:
         request = seq.request
         seq.token_ids.append(token_id)
+        if seq.token_mask is not None:  # a masked sequence samples one token a step
+            seq.token_mask.accept(token_id)
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 

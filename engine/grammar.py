@@ -165,43 +165,18 @@ class GrammarMask:
             )
 
 
-def fill_masks(masks: Sequence[tuple[int, TokenMask]], allowed: np.ndarray) -> None:
-    """Fill row `row` of allowed (int32 [rows, words], all ones) for each (row, mask): the
-    grammar masks together on llguidance's threads (~0.1 ms each, so a batch's would add
-    up on one thread), any other mask in turn."""
+def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, words: int) -> np.ndarray:
+    """An int32 [rows, words] of all ones but row `row` of each (row, mask), which the mask
+    fills: the grammar masks together on llguidance's threads (~0.1 ms each, so a batch's
+    would add up on one thread), any other mask in turn."""
+    allowed = np.full((rows, words), -1, dtype=np.int32)
     grammars = [(mask.matcher, row) for row, mask in masks if isinstance(mask, GrammarMask)]
     if grammars:
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), grammars, allowed)
     for row, mask in masks:
         if not isinstance(mask, GrammarMask):
             mask.fill_next(allowed[row])
-
-
-def start_filling(masks: Sequence[tuple[int, TokenMask]], rows: int, words: int) -> Future:
-    """fill_masks into a fresh all-ones int32 [rows, words], on a thread: llguidance lets go
-    of the interpreter lock while it fills, so the caller goes on (making the events of
-    the tokens the masks follow, planning the next step) meanwhile. The future's result
-    is the array.
-
-    Returns once the thread is about to enter llguidance: a thread that wants the lock
-    waits for its holder to block or to run 5 ms (sys.getswitchinterval()), so without
-    this wait the fill would start only when the caller asks for its result."""
-    entering = threading.Event()
-
-    def fill() -> np.ndarray:
-        entering.set()  # first: whatever follows, the caller never waits on more
-        allowed = np.full((rows, words), -1, dtype=np.int32)
-        fill_masks(masks, allowed)
-        return allowed
-
-    filling = _filler().submit(fill)
-    entering.wait()
-    return filling
-
-
-@functools.cache
-def _filler() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+    return allowed
 
 
 @functools.cache
