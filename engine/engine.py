@@ -233,20 +233,14 @@ class LLMEngine:
         if sched.is_empty:
             return None
         self.num_steps += 1
-        now = time.monotonic()
-        for chunk in sched.chunks:
-            timing = chunk.seq.request.timing
-            timing.first_scheduled = timing.first_scheduled or now
         try:
             plan, samplers, masks = self._plan(sched.chunks)
-            if masks:
-                forward = self.runner.forward(plan)
-                events += self._collect_in_flight()  # the tokens the masks follow
-                words = -(-self.model_config.vocab_size // 32)
-                allowed = fill_masks(masks, forward.num_samples, words)
-                launched = self.runner.sample(forward, allowed)
-            else:
-                launched = self.runner.execute(plan)
+            forward = self.runner.forward(plan)
+            allowed = None
+            if masks:  # they follow the tokens of the step in flight: those are read first
+                events += self._collect_in_flight()
+                allowed = fill_masks(masks, forward.num_samples, self.model_config.vocab_size)
+            launched = self.runner.sample(forward, allowed)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(sched.chunks, exc)
             return None

@@ -165,11 +165,11 @@ class GrammarMask:
             )
 
 
-def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, words: int) -> np.ndarray:
-    """An int32 [rows, words] of all ones but row `row` of each (row, mask), which the mask
-    fills: the grammar masks together on llguidance's threads (~0.1 ms each, so a batch's
+def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> np.ndarray:
+    """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
+    each (row, mask), which the mask fills: the grammar masks together on llguidance's threads (~0.1 ms each, so a batch's
     would add up on one thread), any other mask in turn."""
-    allowed = np.full((rows, words), -1, dtype=np.int32)
+    allowed = np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32)
     grammars = [(mask.matcher, row) for row, mask in masks if isinstance(mask, GrammarMask)]
     if grammars:
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), grammars, allowed)

@@ -2,11 +2,11 @@
 
 The runner owns what lives on the device, the KV pool (layout: engine/attention/base.py)
 and the persistent batch's tables (engine/batch.py), and knows nothing of requests.
-execute() uploads a StepPlan's arrays in one asynchronous copy, applies its changes to the
-tables, replays a CUDA graph (a pure-decode step) or runs the model eagerly, and queues the
-sampler, which writes its tokens into the token table: the next step can be queued before
-they reach the host. collect() reads them back, a step's one host sync. Under token masks a
-step is queued as forward() and then sample(allowed), the masks filled in between.
+forward() uploads a StepPlan's arrays in one asynchronous copy, applies its changes to the
+tables, and replays a CUDA graph (a pure-decode step) or runs the model eagerly; sample()
+queues the sampler (under token masks, when given, filled meanwhile), which writes its
+tokens into the token table: the next step can be queued before they reach the host.
+collect() reads them back, a step's one host sync.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.batch import BatchChanges, DeviceBatch
-from engine.cuda_graphs import CudaGraphRunner, graph_batch_sizes
+from engine.cuda_graphs import CudaGraphRunner
 from engine.model.config import ModelConfig
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRows, prompt_logprobs
@@ -67,11 +67,12 @@ class LaunchedStep:
     """A step whose work is queued on the device; ModelRunner.collect() reads it back."""
 
     logprob_counts: list[int | None]  # per sampled row, its params' logprobs
-    # Host copies of the samples (pinned; filled asynchronously on CUDA): token ids, then,
-    # when a row asked for logprobs, the chosen logprobs, top ids and top logprobs.
+    # Host copies (pinned; filled asynchronously on CUDA) of the samples: token ids, then,
+    # when a row asked for logprobs, the chosen logprobs, top ids and top logprobs; and per
+    # sequence wanting prompt logprobs, the prompt ids its chunk predicts and prompt_logprobs'.
     host_outputs: list[torch.Tensor]
+    prompt_outputs: dict[int, list[torch.Tensor]]
     copied: torch.cuda.Event | None  # recorded after the copies; None on the CPU
-    prompt_logprobs: dict[int, list[TokenLogprob]]  # already on the host (rarely asked for)
 
 
 _TORCH_DTYPES = {
@@ -133,7 +134,7 @@ class ModelRunner:
         num_slots: int,
         max_model_len: int,
     ):
-        """Call allocate_kv_cache() before the first step (engine/kv/pool.py sizes it)."""
+        """Give it kv_caches (engine/kv/pool.py) before the first step."""
         self.model = model
         self.config = model_config
         self.device = device
@@ -145,32 +146,8 @@ class ModelRunner:
         self.block_width = -(-self.token_width // block_size)
         self.batch = DeviceBatch(num_slots, self.token_width, self.block_width, device)
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs()
+        self.graphs: CudaGraphRunner | None = None  # set by start-up, where graphs are used
         self.sampler = Sampler()
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        cfg = self.config
-        shape = (num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
-
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Capture the decode graphs (CUDA); call after allocate_kv_cache()."""
-        self.graphs = CudaGraphRunner(
-            self.model,
-            self.attn,
-            self.kv_caches,
-            self.batch,
-            self.block_size,
-            graph_batch_sizes(max_num_seqs),
-            hidden_size=self.config.hidden_size,
-            dtype=self.dtype,
-        )
-
-    def execute(self, plan: StepPlan) -> LaunchedStep:
-        """Queue a step's work on the device; collect() reads it back."""
-        return self.sample(self.forward(plan))
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardStep:
@@ -220,26 +197,38 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, step: ForwardStep, allowed: np.ndarray | None = None) -> LaunchedStep:
         """Queue a forward step's sampling (under `allowed`, the rows' token masks, when
-        given: sampling.allowed's layout), the tokens' writes and their host copies."""
+        given: sampling.allowed's layout), the tokens' writes, the prompt logprobs its
+        chunks want, and the host copies of them all."""
         if step.logits is None:
-            return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], None, {})
+            return LaunchedStep([], [torch.empty(0, dtype=torch.int64)], {}, None)
         sampling = step.sampling
         if allowed is not None:
             sampling = replace(sampling, allowed=upload([allowed], self.device)[0])
-        logits, num_samples = step.logits, step.num_samples
-        launched = self._sample(logits[:num_samples], sampling, step.targets)
-        offset = num_samples
+        counts, logits = sampling.logprob_counts, step.logits
+        out = self.sampler(logits[: step.num_samples], sampling)
+        self.batch.write_tokens(step.targets, out.token_ids)
+        outputs = [out.token_ids]
+        if sampling.needs_logprobs:
+            top_ids, top_lps = out.top_token_ids, out.top_logprobs
+            if top_ids is None:  # no row asked for alternatives: empty [R, 0] tables
+                top_ids = out.token_ids.new_empty((len(counts), 0))
+                top_lps = out.logprobs.new_empty((len(counts), 0))
+            outputs += [out.logprobs, top_ids, top_lps]
+        prompt_outputs, offset = {}, step.num_samples
         for i, (first, count) in step.spans.items():
             # The prompt tokens they predict, from the token table (the host wrote them).
             ids = self.batch.token_ids.view(-1)[first : first + count].long()
             found = prompt_logprobs(logits[offset : offset + count], ids, step.prompt_logprobs[i])
-            chosen, top_ids, top_lps = (t.tolist() for t in found)
-            launched.prompt_logprobs[i] = [
-                TokenLogprob(token, logprob, list(zip(top, top_values)))
-                for token, logprob, top, top_values in zip(ids.tolist(), chosen, top_ids, top_lps)
-            ]
+            prompt_outputs[i] = [ids, *found]
             offset += count
-        return launched
+        copied = None
+        if self.device.type != "cpu":  # the copies land in pinned memory
+            outputs = [t.to("cpu", non_blocking=True) for t in outputs]
+            for i, found in prompt_outputs.items():
+                prompt_outputs[i] = [t.to("cpu", non_blocking=True) for t in found]
+            copied = torch.cuda.Event()
+            copied.record()
+        return LaunchedStep(counts, outputs, prompt_outputs, copied)
 
     def _eager_rows(self, plan: StepPlan) -> _StepRows:
         """Every position the step computes, as a flat row; the rows whose logits are read:
@@ -285,7 +274,14 @@ class ModelRunner:
         for i, k in enumerate(launched.logprob_counts):
             top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k is not None else None
             logprobs.append(TokenLogprob(token_ids[i], chosen[i], top) if k is not None else None)
-        return StepOutput(token_ids, logprobs, launched.prompt_logprobs)
+        prompt = {}  # the same, per sequence wanting prompt logprobs, for its prompt tokens
+        for i, found in launched.prompt_outputs.items():
+            ids, chosen, top_ids, top_lps = (t.tolist() for t in found)
+            prompt[i] = [
+                TokenLogprob(token, logprob, list(zip(top, top_values)))
+                for token, logprob, top, top_values in zip(ids, chosen, top_ids, top_lps)
+            ]
+        return StepOutput(token_ids, logprobs, prompt)
 
     def _penalty_history(self, plan: StepPlan, rows: _StepRows) -> list[np.ndarray]:
         """Where the penalty rows' token histories are: their slots, the start of their
@@ -307,24 +303,3 @@ class ModelRunner:
             and not plan.prompt_logprobs
             and bool((plan.query_lens == 1).all() and (plan.num_samples == 1).all())
         )
-
-    def _sample(
-        self, logits: torch.Tensor, sampling: SamplingRows[torch.Tensor], targets: torch.Tensor
-    ) -> LaunchedStep:
-        """Queue the sampling, the tokens' writes into the token table and their host copies."""
-        counts = sampling.logprob_counts
-        out = self.sampler(logits, sampling)
-        self.batch.write_tokens(targets, out.token_ids)
-        outputs = [out.token_ids]
-        if sampling.needs_logprobs:
-            top_ids, top_lps = out.top_token_ids, out.top_logprobs
-            if top_ids is None:  # no row asked for alternatives: empty [R, 0] tables
-                top_ids = out.token_ids.new_empty((len(counts), 0))
-                top_lps = out.logprobs.new_empty((len(counts), 0))
-            outputs += [out.logprobs, top_ids, top_lps]
-        copied = None
-        if self.device.type != "cpu":
-            outputs = [t.to("cpu", non_blocking=True) for t in outputs]  # lands in pinned memory
-            copied = torch.cuda.Event()
-            copied.record()
-        return LaunchedStep(counts, outputs, copied, {})

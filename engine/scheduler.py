@@ -17,6 +17,7 @@ admission), so the highest-priority one always progresses: no deadlock, no OOM.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.batch import SlotBook
@@ -30,10 +31,6 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed in this step (== seq.num_computed_tokens)
     end: int  # one past the last position computed
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
 
     @property
     def samples(self) -> bool:
@@ -118,6 +115,8 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            timing = seq.request.timing  # its queue time ends here
+            timing.first_scheduled = timing.first_scheduled or time.monotonic()
             assert len(seq.token_ids) == seq.num_tokens, "placed with tokens still in flight"
             seq.slot = self.slots.place(seq.token_ids, seq.block_table.block_ids)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)

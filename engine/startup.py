@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.config import EngineConfig
-from engine.cuda_graphs import graph_batch_sizes, graph_memory_reserve
+from engine.cuda_graphs import CudaGraphRunner, graph_batch_sizes, graph_memory_reserve
 from engine.kernel_cache import apply_kernel_cache_dir
-from engine.kv.pool import kv_bytes_per_block, num_kv_blocks
+from engine.kv.pool import allocate_kv_pool, kv_bytes_per_block, num_kv_blocks
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
@@ -59,12 +59,21 @@ def start_up(config: EngineConfig) -> EngineParts:
     graph_sizes = graph_batch_sizes(sched.max_num_seqs)
     graph_bytes = graph_memory_reserve(graph_sizes, attn) if use_graphs else 0
     num_blocks = num_kv_blocks(config, runner, graph_bytes)
-    runner.allocate_kv_cache(num_blocks)
+    runner.kv_caches = allocate_kv_pool(runner, num_blocks)
     pool_tokens = num_blocks * block_size
     sized = time.monotonic()
     log.info("KV pool sized and allocated in %.2f s", sized - loaded)
     if use_graphs:
-        runner.capture_cuda_graphs(sched.max_num_seqs)
+        runner.graphs = CudaGraphRunner(
+            model,
+            attn,
+            runner.kv_caches,
+            runner.batch,
+            block_size,
+            graph_sizes,
+            mc.hidden_size,
+            dtype,
+        )
         log.info("CUDA graphs captured in %.2f s", time.monotonic() - sized)
     startup = StartupTimes(
         model_load=loaded - started,

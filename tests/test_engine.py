@@ -244,16 +244,16 @@ def test_cancel_while_waiting_and_before_fork(llm):
 
 def test_engine_fault_fails_only_that_step(llm, monkeypatch):
     engine = llm.engine
-    real_execute = engine.runner.execute
+    real_forward = engine.runner.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
-        return real_execute(*args, **kwargs)
+        return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "forward", flaky)
     engine.add_request("f", [1, 2, 3], SamplingParams(max_tokens=10, **GREEDY))
     engine.step()
     events = engine.step()
@@ -403,7 +403,7 @@ def test_async_scheduling_changes_no_output(tiny_llama, monkeypatch):
         SamplingParams(max_tokens=30, seed=11, temperature=0.5),
     ]
     device_only = []  # per step: sequences whose input token the host has not read yet
-    execute = overlapped.engine.runner.execute
+    forward = overlapped.engine.runner.forward
 
     def spy(plan):
         slots = set(plan.slots.tolist())
@@ -411,9 +411,9 @@ def test_async_scheduling_changes_no_output(tiny_llama, monkeypatch):
         device_only.append(
             sum(s.slot in slots and len(s.token_ids) < s.num_tokens for s in running)
         )
-        return execute(plan)
+        return forward(plan)
 
-    monkeypatch.setattr(overlapped.engine.runner, "execute", spy)
+    monkeypatch.setattr(overlapped.engine.runner, "forward", spy)
     expected = sync.generate(prompts, params)
     got = overlapped.generate(prompts, params)
     assert sum(device_only) > len(device_only)  # most steps read their tokens on the device

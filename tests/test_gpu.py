@@ -381,7 +381,7 @@ def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
     llm = gpu_llm(model_dir)
     assert llm.engine.config.uses_async_scheduling  # the default on CUDA
     device_only: list[int] = []  # per step: sequences whose input token the host lacks
-    execute = llm.engine.runner.execute
+    forward = llm.engine.runner.forward
 
     def spy(plan):
         slots = set(plan.slots.tolist())
@@ -389,9 +389,9 @@ def test_async_scheduling_changes_no_output(model_dir, monkeypatch):
         device_only.append(
             sum(s.slot in slots and len(s.token_ids) < s.num_tokens for s in running)
         )
-        return execute(plan)
+        return forward(plan)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", spy)
+    monkeypatch.setattr(llm.engine.runner, "forward", spy)
     got = llm.generate(prompts, params)
     assert sum(device_only) > len(device_only)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -530,17 +530,17 @@ async def test_an_engine_fault_fails_its_requests_with_internal_and_the_server_s
     server,
 ):
     stub, _, core, _ = server
-    execute = core.runner.execute
+    forward = core.runner.forward
 
     def fail_once(*args, **kwargs):
-        core.runner.execute = execute
+        core.runner.forward = forward
         raise RuntimeError("injected fault")
 
     request = pb.GenerateRequest(text="boom", **greedy(4))
-    core.runner.execute = fail_once  # the next step raises, later steps are fine
+    core.runner.forward = fail_once  # the next step raises, later steps are fine
     with pytest.raises(grpc.aio.AioRpcError) as unary:
         await stub.Generate(request)
-    core.runner.execute = fail_once
+    core.runner.forward = fail_once
     with pytest.raises(grpc.aio.AioRpcError) as streamed:
         [m async for m in stub.StreamGenerate(request)]
     for err in (unary, streamed):

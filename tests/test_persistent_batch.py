@@ -76,19 +76,19 @@ def test_slots_hold_each_running_sequence_and_decodes_send_only_new_blocks(tiny_
     vocab = engine.model_config.vocab_size
     steps = []  # per step: (token ids sent, block ids sent, sequences, all decodes)
     placed = []  # tokens of every sequence placed in a slot
-    execute, place = engine.runner.execute, engine.scheduler.slots.place
+    forward, place = engine.runner.forward, engine.scheduler.slots.place
 
-    def spy_execute(plan: StepPlan):
+    def spy_forward(plan: StepPlan):
         decodes = bool((plan.query_lens == 1).all())
         sent = (plan.changes.token_ids.size, plan.changes.block_ids.size)
         steps.append((*sent, len(plan.slots), decodes))
-        return execute(plan)
+        return forward(plan)
 
     def spy_place(token_ids, block_ids):
         placed.append(len(token_ids))
         return place(token_ids, block_ids)
 
-    monkeypatch.setattr(engine.runner, "execute", spy_execute)
+    monkeypatch.setattr(engine.runner, "forward", spy_forward)
     monkeypatch.setattr(engine.scheduler.slots, "place", spy_place)
     prompts = random_prompts(6, vocab, seed=3, lo=5, hi=30)
     for i, prompt in enumerate(prompts):  # 40 blocks of 4: preemption recomputes some
@@ -159,7 +159,7 @@ def test_runner_decodes_from_a_hand_written_plan(tiny_llama):
             prompt_logprobs={},
             changes=book.take_changes(),
         )
-        got += runner.collect(runner.execute(plan)).token_ids
+        got += runner.collect(runner.sample(runner.forward(plan))).token_ids
         length, query = length + 1, 1
     assert got == want
     assert runner.batch.token_ids[slot, : len(prompt) + 6].tolist() == prompt + want
@@ -239,9 +239,9 @@ def test_verified_proposals_equal_the_plain_path_token_for_token(tiny_llama, wro
     engine = llm.engine
     engine.proposer = StubProposer(reference, wrong_every, seed=wrong_every)
     verified = []  # per step: proposed tokens verified
-    execute = engine.runner.execute
-    engine.runner.execute = lambda plan: (
-        verified.append(int((plan.num_samples - 1).clip(0).sum())) or execute(plan)
+    forward = engine.runner.forward
+    engine.runner.forward = lambda plan: (
+        verified.append(int((plan.num_samples - 1).clip(0).sum())) or forward(plan)
     )
     outputs: dict[str, list] = {}
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -340,12 +340,12 @@ class History(AllowOnly):
 def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tiny_llama):
     """With async scheduling, step t+1's forward is queued before step t's tokens are read
     back; its masks are filled after them (each from every token before its row), and only
-    then is it sampled, just before step t+2's forward: the host fills masks while the
-    device computes."""
+    then is it sampled, in the same step() call: the host fills masks while the device
+    computes the forward."""
     llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=True)
     engine, runner = llm.engine, llm.engine.runner
     calls: list[str] = []
-    for name in ("forward", "sample", "collect", "execute"):
+    for name in ("forward", "sample", "collect"):
         real = getattr(runner, name)
 
         def logged(*args, _real=real, _name=name, **kwargs):
@@ -362,7 +362,6 @@ def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tin
         tokens += [t for e in engine.step() for t in e.token_ids]
     assert len(tokens) == 8 and set(tokens) <= {5, 6, 7}
     assert mask.seen_at_fill == list(range(8))  # each mask knew every token before it
-    assert "execute" not in calls
 
     def at(name: str, k: int) -> int:  # where step k's call of `name` came
         return [i for i, c in enumerate(calls) if c == name][k]

@@ -203,13 +203,13 @@ async def test_queue_full_is_429_with_retry_after(tiny_model):
 async def test_an_engine_fault_is_500_and_the_shim_serves_on(rest):
     client, _, engine, _ = rest
     runner = engine.core.engine.runner
-    execute = runner.execute
+    forward = runner.forward
 
     def fail_once(*args, **kwargs):
-        runner.execute = execute
+        runner.forward = forward
         raise RuntimeError("injected fault")
 
-    runner.execute = fail_once  # the next step raises, later steps are fine
+    runner.forward = fail_once  # the next step raises, later steps are fine
     with pytest.raises(openai.InternalServerError) as err:
         await client.completions.create(prompt="boom", max_tokens=4, **GREEDY)
     assert err.value.status_code == 500 and "injected fault" in str(err.value)

@@ -100,7 +100,7 @@ class StepSpy:
             plan, samplers, masks = plan_step(chunks)
             self.steps.append(
                 dict(
-                    decodes=sum(c.num_tokens == 1 and c.start > 0 for c in chunks),
+                    decodes=sum(c.end - c.start == 1 and c.start > 0 for c in chunks),
                     prefills=[(c.start, c.end, c.seq.num_prompt_tokens) for c in chunks
                               if c.start < c.seq.num_prompt_tokens],
                     hit=any(c.start > 0 and c.start == c.seq.num_cached_tokens

@@ -26,6 +26,7 @@
 #   structured          structured_output.py: 64 requests under JSON schemas against the same
 #                       free, and grammar compile times (STRUCTURED_ARGS="--tokenizer DIR"
 #                       where the host cannot fetch the embedded default)
+#   structured-base     the same benchmark on each engine benchmarks/gpu/ab_base.sh staged
 #   attention           gpu_attention.py: the decode attention kernels
 #   attention-workload  gpu_attention.py at the workload's own decode steps only
 #
@@ -121,6 +122,15 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured) python3 benchmarks/structured_output.py $STRUCTURED_ARGS \
         --json-out "$OUT/gpu-structured-output.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    structured-base) failed=0
+      for base in .ab_base/*/; do
+        label=$(cat "$base/COMMIT")
+        (cd "$base" && BENCH_COMMIT=$label PYTHONPATH=/tmp/site:$PWD \
+          python3 benchmarks/structured_output.py $STRUCTURED_ARGS \
+          --json-out "$OUT/gpu-structured-output-base-${label//[^A-Za-z0-9.-]/_}.json") 2>&1 \
+          | sed "s|^|[$label] |" | tee -a "$OUT/log.txt" || failed=1
+      done
+      (exit $failed) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -1,4 +1,5 @@
-"""The KV pool's size: how many blocks fit beside the weights and the largest step."""
+"""The KV pool: how many blocks fit beside the weights and the largest step, and the
+tensors themselves (layout: engine/attention/base.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from engine.model.config import ModelConfig
 from engine.runner import ModelRunner, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def allocate_kv_pool(runner: ModelRunner, num_blocks: int) -> list[torch.Tensor]:
+    """One zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor per layer."""
+    cfg = runner.config
+    shape = (num_blocks, 2, runner.block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        torch.zeros(shape, dtype=runner.dtype, device=runner.device) for _ in range(cfg.num_layers)
+    ]
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -102,8 +112,8 @@ def _run_largest_step(runner: ModelRunner, num_tokens: int, num_seqs: int) -> No
         prompt_logprobs={i: MAX_LOGPROBS for i, n in enumerate(lens) if n > 1},
         changes=BatchChanges(*(np.zeros(0, dtype=t) for t in (np.int64, np.int32) * 2)),
     )
-    runner.allocate_kv_cache(1)
+    runner.kv_caches = allocate_kv_pool(runner, 1)
     try:
-        runner.collect(runner.execute(plan))
+        runner.collect(runner.sample(runner.forward(plan)))
     finally:
         runner.kv_caches = []

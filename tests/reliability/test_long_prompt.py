@@ -38,7 +38,7 @@ def record_steps(core) -> list[dict[str, int]]:
     def recording():
         out = schedule()
         if not out.is_empty:
-            steps.append({c.seq.request.request_id: c.num_tokens for c in out.chunks})
+            steps.append({c.seq.request.request_id: c.end - c.start for c in out.chunks})
         return out
 
     core.scheduler.schedule = recording

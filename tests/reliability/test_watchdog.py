@@ -57,15 +57,15 @@ class Health:
         return time.monotonic() - start
 
 
-def patch_execute(core, before_step) -> None:
+def patch_forward(core, before_step) -> None:
     """Run before_step() on the engine loop's thread ahead of every model step."""
-    execute = core.runner.execute
+    forward = core.runner.forward
 
     def patched(*args, **kwargs):
         before_step()
-        return execute(*args, **kwargs)
+        return forward(*args, **kwargs)
 
-    core.runner.execute = patched
+    core.runner.forward = patched
 
 
 async def test_a_stuck_loop_turns_liveness_and_readiness_not_serving(tiny_model):
@@ -79,7 +79,7 @@ async def test_a_stuck_loop_turns_liveness_and_readiness_not_serving(tiny_model)
             assert await health.both() == (SERVING, SERVING)
 
             release = threading.Event()
-            patch_execute(core, lambda: release.wait(timeout=60))  # every step hangs
+            patch_forward(core, lambda: release.wait(timeout=60))  # every step hangs
             stuck = asyncio.ensure_future(stub.Generate(pb.GenerateRequest(text="x", **greedy(3))))
             try:
                 await asyncio.sleep(STALL_SECONDS / 3)
@@ -102,7 +102,7 @@ async def test_a_slow_loop_that_keeps_stepping_is_not_stuck(tiny_model):
     """Each step takes half the stall limit; the request takes several limits in all."""
     async with serving(tiny_model) as (srv, core, _):
         srv.watch_engine(STALL_SECONDS, every=EVERY)
-        patch_execute(core, lambda: time.sleep(STALL_SECONDS / 2))
+        patch_forward(core, lambda: time.sleep(STALL_SECONDS / 2))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             start = time.monotonic()
             stub = inference_pb2_grpc.InferenceStub(channel)
