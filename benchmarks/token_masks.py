@@ -1,0 +1,129 @@
+"""Token masks on the host: filling them (llguidance) and unpacking them (torch), by rows.
+
+    python benchmarks/token_masks.py [--rows 1 2 4 16 64] [--device cpu] [--json-out F]
+
+Fill: one grammar of a JSON schema for the embedded default's tokenizer (its GGUF's
+vocabulary, 49,152 ids); each row's matcher stands at a different place in one
+document of that schema, as a batch's candidates do. A row at a time on this thread
+(fill_next_token_bitmask) against all rows on llguidance's threads
+(fill_next_token_bitmask_par, what engine/grammar.py's fill_masks calls); the median of
+--repeats, in microseconds. The same states are filled again and again, so these are
+warm fills: a state's first fill can cost several times more.
+
+Unpack: the bitmask to one bool per token, as the sampler needs it wherever masks are not
+applied inside a Triton kernel (the CPU; filters on CUDA): a word gathered per token
+against each word shifted by 0..31 at once (engine/kernels/race.py's unpack_bitmask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workload import run_info  # noqa: E402
+from engine.constraints import Constraint  # noqa: E402
+from engine.grammar import GrammarCompiler, _executor  # noqa: E402
+from engine.kernels.race import unpack_bitmask  # noqa: E402
+from engine.model_store import resolve_model  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+}
+DOCUMENT = '{"name": "Ada Lovelace of London", "age": 36, "tags": ["maths", "engines", "notes"]}'
+
+
+def unpack_by_gather(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The other formulation: for each token, its word gathered and shifted."""
+    vocab = torch.arange(vocab_size, device=words.device)
+    return (words[:, vocab // 32] >> (vocab % 32).to(torch.int32)) & 1 == 1
+
+
+def median_us(run, args: tuple, repeats: int, sync=lambda: None) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(*args)
+        sync()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def fill_one_at_a_time(matchers: list, allowed: np.ndarray) -> None:
+    for row, matcher in enumerate(matchers):
+        llguidance.numpy.fill_next_token_bitmask(matcher, allowed, row)
+
+
+def fill_in_parallel(matchers: list, allowed: np.ndarray) -> None:
+    pairs = [(matcher, row) for row, matcher in enumerate(matchers)]
+    llguidance.numpy.fill_next_token_bitmask_par(_executor(), pairs, allowed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 64])
+    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--device", default="cpu", help="where the unpacking runs")
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+
+    tokenizer = Tokenizer.from_path(resolve_model(None))
+    vocab_size = tokenizer.vocab_size
+    compiler = GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids)
+    start = compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
+    document = tokenizer.encode(DOCUMENT)
+    words = -(-vocab_size // 32)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    results = []
+    for rows in args.rows:
+        matchers = []
+        for row in range(rows):
+            matcher = start.deep_copy()
+            for token in document[: (row * 7) % len(document)]:
+                assert matcher.consume_token(token), matcher.get_error()
+            matchers.append(matcher)
+        allowed = np.full((rows, words), -1, dtype=np.int32)
+        fills = (matchers, allowed)
+        fill_in_parallel(*fills)
+
+        on_device = torch.from_numpy(allowed).to(device)
+        assert torch.equal(
+            unpack_bitmask(on_device, vocab_size), unpack_by_gather(on_device, vocab_size)
+        )
+        unpack = (on_device, vocab_size)
+        row = {
+            "rows": rows,
+            "fill_one_at_a_time_us": median_us(fill_one_at_a_time, fills, args.repeats),
+            "fill_in_parallel_us": median_us(fill_in_parallel, fills, args.repeats),
+            "unpack_gather_us": median_us(unpack_by_gather, unpack, args.repeats, sync),
+            "unpack_shift_us": median_us(unpack_bitmask, unpack, args.repeats, sync),
+        }
+        print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        results.append(row)
+
+    result = {**run_info(), "device": str(device), "vocab_size": vocab_size, "results": results}
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
