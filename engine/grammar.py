@@ -15,7 +15,7 @@ with blank lines.
 
 llguidance rather than xgrammar (0.2.9): xgrammar's rule for a string with a maxLength
 admits raw control characters, which no JSON parser takes; llguidance needs no
-transformers, builds a grammar in about a millisecond and fills a mask in ~0.1 ms.
+transformers, builds a grammar in about a millisecond and fills a mask in microseconds.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # Compact JSON, the way models are trained to write it.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_PARALLEL_FILL_ROWS = 16  # where llguidance's threads fill a step's masks sooner than one
 
 
 class GrammarCompiler:
@@ -167,14 +168,15 @@ class GrammarMask:
 
 def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> np.ndarray:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
-    each (row, mask), which the mask fills: the grammar masks together on llguidance's threads (~0.1 ms each, so a batch's
-    would add up on one thread), any other mask in turn."""
+    each (row, mask), which the mask fills. Grammar masks fill on llguidance's threads from
+    _PARALLEL_FILL_ROWS of them on (below that, waking the threads costs more than the few
+    microseconds a row takes on this one: benchmarks/token_masks.py), other masks in turn."""
     allowed = np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32)
     grammars = [(mask.matcher, row) for row, mask in masks if isinstance(mask, GrammarMask)]
-    if grammars:
+    if len(grammars) >= _PARALLEL_FILL_ROWS:
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), grammars, allowed)
     for row, mask in masks:
-        if not isinstance(mask, GrammarMask):
+        if len(grammars) < _PARALLEL_FILL_ROWS or not isinstance(mask, GrammarMask):
             mask.fill_next(allowed[row])
     return allowed
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, fill_masks
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -125,6 +125,28 @@ def test_a_schema_mask_admits_a_valid_document_token_by_token(compiler, tokenize
         assert token_id in allowed_ids(mask, tokenizer.vocab_size)
         mask.accept(token_id)
     assert allowed_ids(mask, tokenizer.vocab_size) == sorted(tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize("num_masks", [3, 40])  # filled one by one; on llguidance's threads
+def test_a_steps_masks_fill_their_rows_and_leave_the_others_all_ones(
+    compiler, tokenizer, num_masks
+) -> None:
+    """fill_masks gives each masked row what its own mask allows, at each mask's place in
+    its text, whichever way it fills them; the rows between stay all ones."""
+    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+x|ab+c")))
+    texts = ["12", "ab", "", "1x", "abbb"]
+    placed = []
+    for i in range(num_masks):
+        mask = masks()
+        for token_id in tokenizer.encode(texts[i % len(texts)], add_special_tokens=False):
+            mask.accept(token_id)
+        placed.append((2 * i, mask))  # every other row masked
+    vocab = tokenizer.vocab_size
+    allowed = fill_masks(placed, 2 * num_masks, vocab)
+    for row, mask in placed:
+        bits = np.unpackbits(allowed[row].view(np.uint8), bitorder="little")[:vocab]
+        assert np.flatnonzero(bits).tolist() == allowed_ids(mask, vocab)
+        assert (allowed[row + 1] == -1).all()
 
 
 @pytest.mark.parametrize("field, value", [("ignore_eos", True), ("min_tokens", 2)])

@@ -27,6 +27,7 @@
 #                       free, and grammar compile times (STRUCTURED_ARGS="--tokenizer DIR"
 #                       where the host cannot fetch the embedded default)
 #   structured-base     the same benchmark on each engine benchmarks/gpu/ab_base.sh staged
+#   token-masks         token_masks.py: mask fills on this host's CPU, unpacking on the GPU
 #   attention           gpu_attention.py: the decode attention kernels
 #   attention-workload  gpu_attention.py at the workload's own decode steps only
 #
@@ -37,6 +38,7 @@ set -uo pipefail
 BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
 STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for structured
+MASKS_ARGS=${MASKS_ARGS:-}  # more token_masks.py options for token-masks, e.g. "--tokenizer DIR"
 # Diffs to apply to this (throwaway) copy of the tree first, so that its steps (the GPU
 # tests above all) run an experiment: APPLY_PATCHES="/path/to/experiment.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
@@ -122,6 +124,8 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured) python3 benchmarks/structured_output.py $STRUCTURED_ARGS \
         --json-out "$OUT/gpu-structured-output.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    token-masks) python3 benchmarks/token_masks.py --device cuda $MASKS_ARGS \
+        --json-out "$OUT/token-masks.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured-base) failed=0
       for base in .ab_base/*/; do
         label=$(cat "$base/COMMIT")
