@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 # Compact JSON, the way models are trained to write it.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_PARALLEL_FILL_ROWS = 16  # where llguidance's threads fill a step's masks sooner than one
 
 
 class GrammarCompiler:
@@ -168,15 +167,14 @@ class GrammarMask:
 
 def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> np.ndarray:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
-    each (row, mask), which the mask fills. Grammar masks fill on llguidance's threads from
-    _PARALLEL_FILL_ROWS of them on (below that, waking the threads costs more than the few
-    microseconds a row takes on this one: benchmarks/token_masks.py), other masks in turn."""
+    each (row, mask), which the mask fills: the grammar masks together on llguidance's
+    threads, any other mask in turn."""
     allowed = np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32)
     grammars = [(mask.matcher, row) for row, mask in masks if isinstance(mask, GrammarMask)]
-    if len(grammars) >= _PARALLEL_FILL_ROWS:
+    if grammars:
         llguidance.numpy.fill_next_token_bitmask_par(_executor(), grammars, allowed)
     for row, mask in masks:
-        if len(grammars) < _PARALLEL_FILL_ROWS or not isinstance(mask, GrammarMask):
+        if not isinstance(mask, GrammarMask):
             mask.fill_next(allowed[row])
     return allowed
 
