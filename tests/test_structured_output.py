@@ -379,3 +379,29 @@ def test_a_preempted_constrained_request_replays_to_the_same_document(tiny_model
     assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
     for output in squeezed:
         jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+
+
+def test_the_step_ahead_pipeline_changes_no_token_of_a_mixed_batch(tiny_model) -> None:
+    """With async scheduling (the GPU's default), constrained and free requests in one
+    batch, preempted for want of KV blocks, answer token for token as the synchronous engine
+    with room to spare does: each masked step's masks follow the tokens of the step before,
+    read back while its forward is queued."""
+    person = Constraint("json_schema", json.dumps(PERSON))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, constraint=person),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=50),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=40, constraint=person),
+        SamplingParams(temperature=0.0, max_tokens=50),
+        SamplingParams(
+            temperature=0.0, max_tokens=40, constraint=Constraint("regex", "[a-z ]{5,30}")
+        ),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=50, n=2, constraint=person),
+    ]
+    prompts = [f"item {i}" for i in range(len(params))]
+    roomy = LLM(str(tiny_model), num_blocks=256, block_size=4, async_scheduling=False)
+    want = roomy.generate(prompts, params)
+    ahead = LLM(str(tiny_model), num_blocks=48, block_size=4, async_scheduling=True)
+    got = ahead.generate(prompts, params)
+    assert ahead.engine.scheduler.num_preemptions > 0
+    for have, expected in zip(got, want, strict=True):
+        assert [c.token_ids for c in have.outputs] == [c.token_ids for c in expected.outputs]
