@@ -362,7 +362,7 @@ class LLMEngine:
     ) -> CandidateEvent:
         request = seq.request
         seq.token_ids.append(token_id)
-        if seq.token_mask is not None:  # a masked sequence samples one token a step
+        if seq.token_mask is not None:  # its grammar moves on past the token
             seq.token_mask.accept(token_id)
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
