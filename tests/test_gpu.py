@@ -595,6 +595,33 @@ def test_one_upload_keeps_values_and_16_byte_alignment():
         assert np.array_equal(tensor.cpu().numpy(), array)
 
 
+def test_prompt_logprobs_come_back_with_the_steps_own_copies(model_dir):
+    """Prompt logprobs are computed on the device and read back with the step's other
+    copies (no sync of their own), the next step already queued: over prompts chunked
+    across several steps beside requests that decode, they are the CPU float32
+    reference's, the prompt's own ids with logprobs within half precision's rounding."""
+    prompts = random_prompts(4, seed=31, lo=150, hi=300)
+    asks = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=3)
+    params = [asks, greedy(24), asks, greedy(24)]
+    settings = {"num_blocks": 512, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 64}
+    cpu = LLM(str(model_dir), device="cpu", **settings)
+    want = cpu.generate(prompts, params)
+    del cpu
+    llm = gpu_llm(model_dir, dtype="float16", max_num_batched_tokens=64)
+    assert llm.engine.config.uses_async_scheduling
+    got = llm.generate(prompts, params)
+    for prompt, g, w, p in zip(prompts, got, want, params, strict=True):
+        if p.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(prompt)
+        assert g.prompt_logprobs[0] is None
+        for position, (a, b) in enumerate(zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])):
+            assert a.token_id == b.token_id == prompt[position + 1]
+            assert abs(a.logprob - b.logprob) < 0.25, (position, a, b)
+            assert len(a.top) == 3 and abs(a.top[0][1] - b.top[0][1]) < 0.25, (position, a, b)
+
+
 # ---- structured output ----------------------------------------------------------------------
 
 
