@@ -1,8 +1,8 @@
 """Request and per-candidate sequence state, as small dataclasses of counters.
 
 A Request owns its `n` candidates from admission on, one Sequence each. Candidate 0
-prefills the prompt; the others wait until it has (Sequence.waits_for_prompt) and then
-start from the prompt's blocks in the prefix cache, so the prompt is computed once.
+prefills the prompt; the others wait until it has, or has ended (Sequence.waits_for_prompt),
+and then start from the prompt's blocks in the prefix cache, so the prompt is computed once.
 
 KV regions of a sequence's num_tokens tokens (prompt + output sampled so far):
 
@@ -155,9 +155,11 @@ class Sequence:
 
     @property
     def waits_for_prompt(self) -> bool:
-        """A later candidate waits until candidate 0 has computed the prompt they share."""
+        """A later candidate waits until candidate 0 has computed the prompt they share, or
+        has finished: it may finish preempted, by a token that was in flight."""
         first = self.request.sequences[0]
-        return self.index > 0 and first.num_computed_tokens < first.num_prompt_tokens
+        computing = first.num_computed_tokens < first.num_prompt_tokens and not first.is_finished
+        return self.index > 0 and computing
 
     @property
     def is_finished(self) -> bool:

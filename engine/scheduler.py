@@ -4,7 +4,7 @@ Each step takes, in this order, until the token budget (max_num_batched_tokens) 
 sequence cap (max_num_seqs) runs out: running decodes (one token, or one and its proposed
 tokens), then running prefills chunked in an earlier step, both by priority; then waiting
 sequences (new or preempted) by priority, FCFS among equals, from their longest cached
-prefix, a request's later candidates once its first has computed the prompt
+prefix, a request's later candidates once its first has the prompt computed or ended
 (Sequence.waits_for_prompt). An admitted sequence holds a slot of the persistent batch
 (engine/batch.py) until it is preempted or removed.
 
