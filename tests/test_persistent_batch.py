@@ -373,17 +373,32 @@ def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tin
     assert_pool_empty(llm)
 
 
+class GuessingProposer:
+    """Proposes 0-3 tokens at random, from a small set so that some are right."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.guessed = 0
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        guesses = [self.rng.randrange(8) for _ in range(self.rng.randint(0, 3))][:max_tokens]
+        self.guessed += len(guesses)
+        return guesses
+
+
+@pytest.mark.parametrize("propose", [False, True], ids=["plain", "proposals"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_masks_hold_through_aborts_and_preemptions_a_step_ahead(tiny_llama, seed):
+def test_masks_hold_through_aborts_and_preemptions_a_step_ahead(tiny_llama, seed, propose):
     """Masked and free requests (n of 1 or 2) arrive and are cancelled at random while the
     device runs a step ahead and a small pool preempts: every request ends (a candidate 0
     may finish preempted, by a token in flight, and its later candidates still run: seed 2
     hung on that), every masked token is one its mask allowed, each mask accepted exactly
     the tokens its candidate answered and was filled each time after every token before
-    it, and no block is left held."""
+    it, and no block is left held. With proposals (verified, mostly rolled back) too."""
     rng = random.Random(seed)
     llm = make_llm(tiny_llama, num_blocks=24, async_scheduling=True)
     engine = llm.engine
+    engine.proposer = GuessingProposer(seed) if propose else None
     masks: dict[tuple[str, int], History] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
 
@@ -421,6 +436,7 @@ def test_masks_hold_through_aborts_and_preemptions_a_step_ahead(tiny_llama, seed
             tokens.setdefault((event.request_id, event.index), []).extend(event.token_ids)
     assert not engine.has_unfinished_requests, "a request was left that never runs"
     assert engine.scheduler.num_preemptions > 0 and masks
+    assert not propose or engine.proposer.guessed > 50
     for key, mask in masks.items():
         answered = tokens.get(key, [])
         assert set(answered) <= set(mask.allowed), key
