@@ -387,23 +387,26 @@ class GuessingProposer:
 
 
 @pytest.mark.parametrize("propose", [False, True], ids=["plain", "proposals"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_masks_hold_through_aborts_and_preemptions_a_step_ahead(tiny_llama, seed, propose):
-    """Masked and free requests (n of 1 or 2) arrive and are cancelled at random while the
-    device runs a step ahead and a small pool preempts: every request ends (a candidate 0
-    may finish preempted, by a token in flight, and its later candidates still run: seed 2
-    hung on that), every masked token is one its mask allowed, each mask accepted exactly
-    the tokens its candidate answered and was filled each time after every token before
-    it, and no block is left held. With proposals (verified, mostly rolled back) too."""
+@pytest.mark.parametrize("seed", range(6))
+def test_a_storm_a_step_ahead_ends_every_request_and_keeps_every_mask(tiny_llama, seed, propose):
+    """Requests of every sampling option (greedy or sampled, n up to 3, stop strings,
+    min_tokens, logprobs, prompt logprobs, penalties, priorities), half of them masked,
+    arrive and are cancelled at random while the device runs a step ahead and a small pool
+    preempts: every request ends (a candidate 0 may end preempted, by a token in flight,
+    and its later candidates still run: seed 3 without proposals ends one so), every
+    masked token is one its mask allowed, each mask accepted exactly the tokens its
+    candidate answered and was filled each time after every token before it, and no block
+    is left held. With proposals (verified, mostly rolled back) too."""
     rng = random.Random(seed)
-    llm = make_llm(tiny_llama, num_blocks=24, async_scheduling=True)
+    caching = seed % 3 != 1
+    llm = make_llm(tiny_llama, num_blocks=24, async_scheduling=True, enable_prefix_caching=caching)
     engine = llm.engine
     engine.proposer = GuessingProposer(seed) if propose else None
     masks: dict[tuple[str, int], History] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
 
-    def mask_for(request_id: str, allowed: list[int]):
-        count = iter(range(2))
+    def mask_for(request_id: str, allowed: list[int], n: int):
+        count = iter(range(n))
 
         def make() -> History:
             mask = masks[request_id, next(count)] = History(allowed)
@@ -411,29 +414,40 @@ def test_masks_hold_through_aborts_and_preemptions_a_step_ahead(tiny_llama, seed
 
         return make
 
-    live: list[str] = []
-    for step in range(120):
-        if step < 60 and rng.random() < 0.4:
-            request_id = f"r{step}"
-            prompt = [rng.randrange(400) for _ in range(rng.randint(4, 30))]
-            params = SamplingParams(
-                max_tokens=rng.randint(4, 24), n=rng.choice([1, 2]), seed=step, temperature=1.0
-            )
-            mask = None
-            if rng.random() < 0.6:
-                mask = mask_for(request_id, rng.sample(range(400), rng.randint(1, 6)))
-            engine.add_request(request_id, prompt, params, token_mask=mask)
-            live.append(request_id)
-        if live and rng.random() < 0.1:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
+    def step() -> None:
         for event in engine.step():
             tokens.setdefault((event.request_id, event.index), []).extend(event.token_ids)
         check_invariants(engine.block_manager)
+
+    live: list[str] = []
+    for t in range(120):
+        if t < 60 and rng.random() < 0.4:
+            options = {
+                "max_tokens": rng.randint(1, 24),
+                "n": rng.choice([1, 1, 2, 3]),
+                "seed": t,
+                "temperature": rng.choice([0.0, 1.0]),
+                "stop": ["a", "e"] if rng.random() < 0.2 else [],
+                "logprobs": rng.randint(0, 3) if rng.random() < 0.2 else None,
+                "prompt_logprobs": rng.randint(0, 2) if rng.random() < 0.15 else None,
+                "presence_penalty": 0.3 if rng.random() < 0.2 else 0.0,
+            }
+            mask = None
+            if rng.random() < 0.5:  # (a mask and min_tokens may leave no token: not here)
+                mask = mask_for(f"r{t}", rng.sample(range(400), rng.randint(1, 6)), options["n"])
+            else:
+                options["min_tokens"] = rng.randint(0, options["max_tokens"])
+            prompt = [rng.randrange(400) for _ in range(rng.randint(2, 40))]
+            params = SamplingParams(**options)
+            engine.add_request(f"r{t}", prompt, params, rng.randint(0, 2), token_mask=mask)
+            live.append(f"r{t}")
+        if live and rng.random() < 0.1:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        step()
     for _ in range(1000):  # bounded: a request that can never run must fail the test
         if not engine.has_unfinished_requests:
             break
-        for event in engine.step():
-            tokens.setdefault((event.request_id, event.index), []).extend(event.token_ids)
+        step()
     assert not engine.has_unfinished_requests, "a request was left that never runs"
     assert engine.scheduler.num_preemptions > 0 and masks
     assert not propose or engine.proposer.guessed > 50

@@ -253,3 +253,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_later_candidate_runs_once_its_first_ended_with_the_prompt_uncomputed():
+    """Candidate 0 can end while preempted (its last token read back a step late, under
+    async scheduling), its prompt no longer computed: candidate 1 must not wait for it."""
+    sched = new_scheduler()
+    first = make_seq(list(range(10)), max_tokens=4)
+    request = first.request
+    second = Sequence(request, 1, 1, array("q", request.prompt_token_ids), None, None)
+    request.sequences.append(second)
+    sched.add(first)
+    sched.add(second)
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == [first]  # the second waits for the prompt
+    sched.remove(first)  # ends as a preempted one would: nothing computed
+    first.num_computed_tokens = 0
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == [second]
