@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,10 +88,23 @@ def instrument(engine) -> dict[str, float]:
         (batch, "inputs", "batch tables"),
         (batch, "write_tokens", "batch tables"),
     ]
-    for owner, attr, name in wrapped:
-        if owner is not None and hasattr(owner, attr):
-            setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
+    time_parts(totals, wrapped)
     return totals
+
+
+def time_parts(totals: dict[str, float], parts: list[tuple]) -> Callable[[], None]:
+    """Wrap each (owner, attribute, name) the owner has with timed(); returns what puts
+    the originals back. Parts an engine does not have are skipped."""
+    present = [(owner, attr, name) for owner, attr, name in parts if hasattr(owner, attr)]
+    originals = [getattr(owner, attr) for owner, attr, _ in present]
+    for owner, attr, name in present:
+        setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
+
+    def restore() -> None:
+        for (owner, attr, _), original in zip(present, originals, strict=True):
+            setattr(owner, attr, original)
+
+    return restore
 
 
 def run_once(llm, work, params, totals: dict[str, float], shift: int) -> dict:

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_bench import SHAPES, write_random_model  # noqa: E402
-from benchmarks.host_overhead import timed  # noqa: E402
+from benchmarks.host_overhead import time_parts  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
 from engine.constraints import Constraint  # noqa: E402
 from engine.grammar import GrammarCompiler  # noqa: E402
@@ -105,16 +105,12 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (runner, "forward", "forward queued"),
         (runner, "sample", "sampling queued"),
     ]
-    parts = [(owner, attr, name) for owner, attr, name in parts if hasattr(owner, attr)]
-    originals = [getattr(owner, attr) for owner, attr, _ in parts]
-    for owner, attr, name in parts:
-        setattr(owner, attr, timed(totals, name, getattr(owner, attr)))
+    restore = time_parts(totals, parts)
     steps_before = engine.num_steps
     try:
         llm.generate(prompts, params)
     finally:
-        for (owner, attr, _), original in zip(parts, originals, strict=True):
-            setattr(owner, attr, original)
+        restore()
     steps = engine.num_steps - steps_before
     return {"steps": steps, **{name: round(t / steps * 1e3, 3) for name, t in totals.items()}}
 
