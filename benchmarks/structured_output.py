@@ -101,9 +101,11 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (runner, "collect", "  the sync and the read-back"),
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),
-        (engine_module, "fill_masks", "masks filled"),
+        (engine_module, "fill_masks", "masks filled"),  # on this thread, where it is
+        (engine_module, "start_filling", "masks: their fill begun"),  # or on their thread
         (runner, "forward", "forward queued"),
-        (runner, "sample", "sampling queued"),
+        (engine, "_sample", "sampling: masks waited for, sampling queued"),
+        (runner, "sample", "  sampling queued"),
     ]
     restore = time_parts(totals, parts)
     steps_before = engine.num_steps
@@ -149,12 +151,23 @@ def main() -> None:
     p.add_argument("--compile-repeats", type=int, default=5)
     p.add_argument("--device", default="auto")
     p.add_argument("--phases", action="store_true", help="time the engine's parts per step")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue each step before the last one is read back (default: on a GPU only)",
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
 
     tokenizer_path = args.tokenizer or resolve_model(None)
     model = model_with_tokenizer(args.shape, tokenizer_path, args.model_dir)
-    llm = LLM(str(model), device=args.device, enable_prefix_caching=False)
+    llm = LLM(
+        str(model),
+        device=args.device,
+        enable_prefix_caching=False,
+        async_scheduling=args.async_scheduling,
+    )
     prompts, constrained = [], []
     for i in range(args.requests):
         prompt, schema = SCHEMAS[i % len(SCHEMAS)]
@@ -186,6 +199,7 @@ def main() -> None:
         "shape": args.shape,
         "vocab_size": llm.engine.model_config.vocab_size,
         "requests": args.requests,
+        "async_scheduling": llm.engine.config.uses_async_scheduling,
         "output_tokens": with_schema["output_tokens"],
         "output_tok_s": {k: round(v, 1) for k, v in tok_s.items()},
         "overhead": round(overhead, 4),

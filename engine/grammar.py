@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -179,6 +180,38 @@ def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: in
     return allowed
 
 
+def start_filling(
+    masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int
+) -> Future[np.ndarray]:
+    """fill_masks on a thread of its own, beside the engine thread's other work; returns
+    once the fill has begun. The waiting hands the interpreter lock over: a thread that
+    wants it while the engine thread runs Python gets it only after the switch interval
+    (5 ms by default), far later than a fill takes. llguidance fills without the lock."""
+    began = threading.Event()
+
+    def fill() -> np.ndarray:
+        began.set()
+        return fill_masks(masks, rows, vocab_size)
+
+    future = _filling_thread().submit(fill)
+    began.wait()
+    return future
+
+
+@functools.cache
+def _filling_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+
+
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
+
+
+def _forget_threads() -> None:
+    """A forked child has none of its parent's threads: it makes its own at its first fill."""
+    _filling_thread.cache_clear()
+    _executor.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads)

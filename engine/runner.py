@@ -11,7 +11,6 @@ collect() reads them back, a step's one host sync.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,6 +22,7 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.model.config import ModelConfig
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRows, prompt_logprobs
+from engine.transfer import upload
 
 
 @dataclass
@@ -73,32 +73,6 @@ class LaunchedStep:
     host_outputs: list[torch.Tensor]
     prompt_outputs: dict[int, list[torch.Tensor]]
     copied: torch.cuda.Event | None  # recorded after the copies; None on the CPU
-
-
-_TORCH_DTYPES = {
-    np.dtype(name): getattr(torch, name) for name in ("int32", "int64", "float32", "bool")
-}
-
-
-def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host arrays as tensors on `device`. On CUDA all of them travel in one asynchronous
-    copy from one pinned buffer: each separate copy would cost a launch, and a copy from
-    unpinned memory waits for every kernel queued before it."""
-    if device.type == "cpu":
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    # Every part starts 16-byte aligned: Triton specializes a kernel on whether each
-    # pointer is, so parts that shifted with the batch size would recompile kernels.
-    *offsets, total = itertools.accumulate((-(-a.nbytes // 16) * 16 for a in arrays), initial=0)
-    staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    staging_bytes = staging.numpy()
-    for a, offset in zip(arrays, offsets, strict=True):
-        part = np.ascontiguousarray(a).reshape(-1)
-        staging_bytes[offset : offset + a.nbytes] = part.view(np.uint8)
-    on_device = staging.to(device, non_blocking=True)
-    return [
-        on_device[offset : offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-        for a, offset in zip(arrays, offsets, strict=True)
-    ]
 
 
 @dataclass

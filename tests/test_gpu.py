@@ -33,9 +33,9 @@ from engine.kv.pool import kv_bytes_per_block
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput, RequestOutputBuilder
-from engine.runner import upload
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.transfer import upload
 from tests.sampling import sampling_tensors
 from tests.test_kernels import (
     ROTARY_POOL_DTYPES,

@@ -5,6 +5,7 @@ tokens and roll back the rest, and the per-row logits mask."""
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from engine.batch import SlotBook
 from engine.llm import LLM
+from engine.outputs import FinishReason
 from engine.request import Sequence
 from engine.runner import StepPlan
 from engine.sampler import SamplingRows
@@ -337,11 +339,14 @@ class History(AllowOnly):
         super().fill_next(bitmask)
 
 
-def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tiny_llama):
+def test_a_masked_step_is_sampled_just_before_the_next_forward_its_masks_filled_beside(
+    tiny_llama,
+):
     """With async scheduling, step t+1's forward is queued before step t's tokens are read
-    back; its masks are filled after them (each from every token before its row), and only
-    then is it sampled, in the same step() call: the host fills masks while the device
-    computes the forward."""
+    back; its masks fill after them (each from every token before its row) on a thread of
+    their own, while the engine thread makes events and plans step t+2; its sampling is
+    queued at the next call, right before step t+2's forward, with no host work between
+    them for the device to wait on."""
     llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=True)
     engine, runner = llm.engine, llm.engine.runner
     calls: list[str] = []
@@ -353,7 +358,15 @@ def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tin
             return _real(*args, **kwargs)
 
         setattr(runner, name, logged)
-    mask = History([5, 6, 7])
+    fill_threads = set()
+
+    class Logged(History):
+        def fill_next(self, bitmask: np.ndarray) -> None:
+            calls.append("fill")
+            fill_threads.add(threading.get_ident())
+            super().fill_next(bitmask)
+
+    mask = Logged([5, 6, 7])
     params = SamplingParams(max_tokens=8, **GREEDY)
     prompt = random_prompts(1, 400, seed=3, lo=6, hi=6)[0]
     engine.add_request("masked", prompt, params, 0, lambda: mask)
@@ -362,15 +375,53 @@ def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tin
         tokens += [t for e in engine.step() for t in e.token_ids]
     assert len(tokens) == 8 and set(tokens) <= {5, 6, 7}
     assert mask.seen_at_fill == list(range(8))  # each mask knew every token before it
+    assert fill_threads and threading.get_ident() not in fill_threads
 
     def at(name: str, k: int) -> int:  # where step k's call of `name` came
         return [i for i, c in enumerate(calls) if c == name][k]
 
     for k in range(7):  # 8 steps: each samples one token
-        assert at("forward", k + 1) < at("collect", k) < at("sample", k + 1), calls
-    for k in range(1, 7):
-        assert at("sample", k) < at("forward", k + 1), calls
+        assert at("forward", k + 1) < at("collect", k) < at("fill", k + 1), calls
+        assert at("fill", k + 1) < at("sample", k + 1), calls
+        assert at("sample", k) + 1 == at("forward", k + 1), calls
     assert_pool_empty(llm)
+
+
+class Breaks(AllowOnly):
+    """A mask whose fill raises from its third on."""
+
+    fills = 0
+
+    def fill_next(self, bitmask: np.ndarray) -> None:
+        self.fills += 1
+        if self.fills >= 3:
+            raise RuntimeError("injected fill fault")
+        super().fill_next(bitmask)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_fill_that_fails_ends_its_steps_requests_and_the_engine_goes_on(
+    tiny_llama, async_scheduling
+):
+    """The masks fill on their own thread: a fault there still reaches the engine thread,
+    ends the requests of the step it held back (with the fault named) and no later one."""
+    llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompt = random_prompts(1, 400, seed=4, lo=6, hi=6)[0]
+    engine.add_request(
+        "masked", prompt, SamplingParams(max_tokens=8, **GREEDY), 0, lambda: Breaks([9])
+    )
+    ended = []
+    for _ in range(20):
+        if not engine.has_unfinished_requests:
+            break
+        ended += [e for e in engine.step() if e.finish_reason is not None]
+    assert not engine.has_unfinished_requests
+    assert [(e.request_id, e.finish_reason) for e in ended] == [("masked", FinishReason.ERROR)]
+    assert "injected fill fault" in ended[0].error and ended[0].usage.completion_tokens == 2
+    assert_pool_empty(llm)
+    again = llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert len(again.outputs[0].token_ids) == 4
 
 
 class GuessingProposer:
