@@ -101,10 +101,9 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (runner, "collect", "  the sync and the read-back"),
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),
-        (engine_module, "fill_masks", "masks filled"),  # on this thread, where it is
-        (engine_module, "start_filling", "masks: their fill begun"),  # or on their thread
+        (engine_module, "fill_masks", "masks filled"),
         (runner, "forward", "forward queued"),
-        (engine, "_sample", "sampling: masks waited for, sampling queued"),
+        (engine, "_sample", "masked sampling: masks filled, sampling queued"),
         (runner, "sample", "  sampling queued"),
     ]
     restore = time_parts(totals, parts)

@@ -10,9 +10,7 @@ candidates do. A row at a time on this thread (fill_next_token_bitmask) against 
 on llguidance's threads (fill_next_token_bitmask_par), the median of --repeats in
 microseconds, two ways: "first", each repeat a grammar compiled anew, so that every state
 is filled for the first time, as a step meets most of its states; and "again", the same
-states filled over and over, which llguidance answers from what it kept. "On its thread":
-"again" in parallel as the engine runs it, on the filling thread (engine/grammar.py's
-start_filling), the hand-over to it and back included.
+states filled over and over, which llguidance answers from what it kept.
 
 Unpack: the bitmask to one bool per token, as the sampler needs it wherever masks are not
 applied inside a Triton kernel (the CPU; filters on CUDA): a word gathered per token
@@ -22,6 +20,7 @@ against each word shifted by 0..31 at once (engine/kernels/race.py's unpack_bitm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import run_info  # noqa: E402
 from engine.constraints import Constraint  # noqa: E402
-from engine.grammar import GrammarCompiler, GrammarMask, _executor, start_filling  # noqa: E402
+from engine.grammar import GrammarCompiler  # noqa: E402
 from engine.kernels.race import unpack_bitmask  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
@@ -75,15 +74,14 @@ def fill_one_at_a_time(matchers: list, allowed: np.ndarray) -> None:
         llguidance.numpy.fill_next_token_bitmask(matcher, allowed, row)
 
 
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
+
+
 def fill_in_parallel(matchers: list, allowed: np.ndarray) -> None:
     pairs = [(matcher, row) for row, matcher in enumerate(matchers)]
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), pairs, allowed)
-
-
-def fill_on_its_thread(matchers: list, vocab_size: int) -> None:
-    """As the engine fills a step's masks: on the filling thread, handed over and waited for."""
-    masks = [(row, GrammarMask(matcher)) for row, matcher in enumerate(matchers)]
-    start_filling(masks, len(masks), vocab_size).result()
 
 
 def placed_matchers(start: llguidance.LLMatcher, document: list[int], rows: int) -> list:
@@ -149,9 +147,6 @@ def main() -> None:
             "first_fill_in_parallel_us": first_fill_us(fill_in_parallel, *first),
             "fill_again_one_at_a_time_us": median_us(fill_one_at_a_time, fills, args.repeats),
             "fill_again_in_parallel_us": median_us(fill_in_parallel, fills, args.repeats),
-            "fill_again_on_its_thread_us": median_us(
-                fill_on_its_thread, (matchers, vocab_size), args.repeats
-            ),
             "unpack_gather_us": median_us(unpack_by_gather, unpack, args.repeats, sync),
             "unpack_shift_us": median_us(unpack_bitmask, unpack, args.repeats, sync),
         }

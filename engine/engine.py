@@ -17,7 +17,6 @@ import random
 import time
 from array import array
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +26,7 @@ from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, start_filling
+from engine.grammar import GrammarCompiler, fill_masks
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
@@ -64,13 +63,12 @@ _Samplers = list[tuple[Sequence, int, list[int]]]
 @dataclass
 class _StepInFlight:
     """A step queued on the device, until its results are collected. One sampled under
-    token masks waits with its forward queued (launched None) while they fill."""
+    token masks waits with its forward queued (launched None) until the next call."""
 
     chunks: list[ScheduledChunk]
     samplers: _Samplers
     forward: ForwardStep
     masks: list[tuple[int, TokenMask]]  # (its first row, the mask) per masked sequence
-    filling: Future[np.ndarray] | None = None
     launched: LaunchedStep | None = None
 
 
@@ -216,17 +214,14 @@ class LLMEngine:
         waits for step t and turns its tokens into events, so the host's work overlaps the
         device's. Without it (the CPU), each call runs its own step.
 
-        A step sampled under token masks queues its forward and leaves its sampling for
-        the next call, just before the next step's forward. Its masks follow the tokens
-        of the step before it: they fill on a thread from when those are read back, while
-        this thread makes their events and schedules and plans the next step."""
+        With async scheduling a step sampled under token masks queues its forward and
+        leaves its masks and its sampling for the next call: the masks follow the tokens of the step before it,
+        read back meanwhile, and the sampling goes just before the next step's forward,
+        so the device never waits on host work between the two."""
         # A proposer guesses from the tokens on the host: step t's are read first.
         events = self._collect_in_flight() if self.proposer is not None else []
         launched = self._launch(self.scheduler.schedule(), events)
         events += self._collect_in_flight()
-        if launched is not None and launched.masks:  # they follow the tokens just collected
-            rows, vocab = launched.forward.num_samples, self.model_config.vocab_size
-            launched.filling = start_filling(launched.masks, rows, vocab)
         if launched is not None and not self.config.uses_async_scheduling:
             events += self._collect(launched)
         else:
@@ -238,12 +233,14 @@ class LLMEngine:
         return self._collect(step) if step is not None else []
 
     def _sample(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
-        """Queue a step's sampling, under its masks once they are filled, unless queued;
-        on a failure its requests end (events) and it is dropped (False)."""
+        """Fill a step's masks and queue its sampling, unless queued; on a failure its
+        requests end (events) and it is dropped (False)."""
         try:
             if step.launched is None:
-                allowed = step.filling.result() if step.filling is not None else None
-                step.launched = self.runner.sample(step.forward, allowed)
+                rows, vocab = step.forward.num_samples, self.model_config.vocab_size
+                step.launched = self.runner.sample(
+                    step.forward, fill_masks(step.masks, rows, vocab)
+                )
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(step.chunks, exc)
             return False

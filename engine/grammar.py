@@ -20,10 +20,8 @@ transformers, builds a grammar in about a millisecond and fills a mask in micros
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -168,50 +166,10 @@ class GrammarMask:
 
 def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> np.ndarray:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
-    each (row, mask), which the mask fills: the grammar masks together on llguidance's
-    threads, any other mask in turn."""
+    each (row, mask), which the mask fills. One at a time: on a 16-core GPU host,
+    llguidance's parallel fill took 2.5x as long for 16 rows met for the first time (1.0
+    against 0.4 ms) and was no faster on rows it had met (benchmarks/token_masks.py)."""
     allowed = np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32)
-    grammars = [(mask.matcher, row) for row, mask in masks if isinstance(mask, GrammarMask)]
-    if grammars:
-        llguidance.numpy.fill_next_token_bitmask_par(_executor(), grammars, allowed)
     for row, mask in masks:
-        if not isinstance(mask, GrammarMask):
-            mask.fill_next(allowed[row])
+        mask.fill_next(allowed[row])
     return allowed
-
-
-def start_filling(
-    masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int
-) -> Future[np.ndarray]:
-    """fill_masks on a thread of its own, beside the engine thread's other work; returns
-    once the fill has begun. The waiting hands the interpreter lock over: a thread that
-    wants it while the engine thread runs Python gets it only after the switch interval
-    (5 ms by default), far later than a fill takes. llguidance fills without the lock."""
-    began = threading.Event()
-
-    def fill() -> np.ndarray:
-        began.set()
-        return fill_masks(masks, rows, vocab_size)
-
-    future = _filling_thread().submit(fill)
-    began.wait()
-    return future
-
-
-@functools.cache
-def _filling_thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
-
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
-
-
-def _forget_threads() -> None:
-    """A forked child has none of its parent's threads: it makes its own at its first fill."""
-    _filling_thread.cache_clear()
-    _executor.cache_clear()
-
-
-os.register_at_fork(after_in_child=_forget_threads)

@@ -4,8 +4,6 @@ refused (by name, before and at compiling), what each mask lets through."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 
 from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, fill_masks, start_filling
+from engine.grammar import GrammarCompiler, fill_masks
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -149,24 +147,6 @@ def test_a_steps_masks_fill_their_rows_and_leave_the_others_all_ones(
         bits = np.unpackbits(allowed[row].view(np.uint8), bitorder="little")[:vocab]
         assert np.flatnonzero(bits).tolist() == allowed_ids(mask, vocab)
         assert (allowed[row + 1] == -1).all()
-
-
-def test_a_forked_child_fills_masks_on_threads_of_its_own(compiler, tokenizer) -> None:
-    """A child forked after the parent filled masks (its filling thread and llguidance's
-    exist) fills its own instead of waiting forever for threads it does not have."""
-    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+")))
-    placed = [(0, masks())]
-    parent = start_filling(placed, 1, tokenizer.vocab_size).result()
-    pid = os.fork()
-    if pid == 0:  # the child: a hang is cut off by the alarm and counts as a failure
-        signal.alarm(20)
-        try:
-            child = start_filling(placed, 1, tokenizer.vocab_size).result()
-            os._exit(0 if np.array_equal(child, parent) else 1)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("field, value", [("ignore_eos", True), ("min_tokens", 2)])
