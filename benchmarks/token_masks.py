@@ -20,7 +20,6 @@ against each word shifted by 0..31 at once (engine/kernels/race.py's unpack_bitm
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import run_info  # noqa: E402
 from engine.constraints import Constraint  # noqa: E402
-from engine.grammar import GrammarCompiler  # noqa: E402
+from engine.grammar import GrammarCompiler, _executor  # noqa: E402
 from engine.kernels.race import unpack_bitmask  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
@@ -72,11 +71,6 @@ def median_us(run, args: tuple, repeats: int, sync=lambda: None) -> float:
 def fill_one_at_a_time(matchers: list, allowed: np.ndarray) -> None:
     for row, matcher in enumerate(matchers):
         llguidance.numpy.fill_next_token_bitmask(matcher, allowed, row)
-
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
 
 
 def fill_in_parallel(matchers: list, allowed: np.ndarray) -> None:

@@ -31,7 +31,7 @@ from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
 from engine.request import Request, Sequence, TokenMask
-from engine.runner import ForwardStep, LaunchedStep, StepPlan
+from engine.runner import LaunchedStep, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -62,14 +62,11 @@ _Samplers = list[tuple[Sequence, int, list[int]]]
 
 @dataclass
 class _StepInFlight:
-    """A step queued on the device, until its results are collected. One sampled under
-    token masks waits with its forward queued (launched None) until the next call."""
+    """A step queued on the device, until its results are collected."""
 
     chunks: list[ScheduledChunk]
     samplers: _Samplers
-    forward: ForwardStep
-    masks: list[tuple[int, TokenMask]]  # (its first row, the mask) per masked sequence
-    launched: LaunchedStep | None = None
+    launched: LaunchedStep
 
 
 class LLMEngine:
@@ -214,10 +211,9 @@ class LLMEngine:
         waits for step t and turns its tokens into events, so the host's work overlaps the
         device's. Without it (the CPU), each call runs its own step.
 
-        With async scheduling a step sampled under token masks queues its forward and
-        leaves its masks and its sampling for the next call: the masks follow the tokens of the step before it,
-        read back meanwhile, and the sampling goes just before the next step's forward,
-        so the device never waits on host work between the two."""
+        A step sampled under token masks queues its forward, then collects step t (its
+        masks follow t's tokens), fills the masks while the device runs the forward, and
+        queues its sampling."""
         # A proposer guesses from the tokens on the host: step t's are read first.
         events = self._collect_in_flight() if self.proposer is not None else []
         launched = self._launch(self.scheduler.schedule(), events)
@@ -232,20 +228,6 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         return self._collect(step) if step is not None else []
 
-    def _sample(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
-        """Fill a step's masks and queue its sampling, unless queued; on a failure its
-        requests end (events) and it is dropped (False)."""
-        try:
-            if step.launched is None:
-                rows, vocab = step.forward.num_samples, self.model_config.vocab_size
-                step.launched = self.runner.sample(
-                    step.forward, fill_masks(step.masks, rows, vocab)
-                )
-        except Exception as exc:  # an engine fault fails this step's requests, not the engine
-            events += self._fail_step(step.chunks, exc)
-            return False
-        return True
-
     def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
         """Queue a scheduled step on the device; on a failure its requests end (events)."""
         if sched.is_empty:
@@ -253,12 +235,12 @@ class LLMEngine:
         self.num_steps += 1
         try:
             plan, samplers, masks = self._plan(sched.chunks)
-            # The step before goes first: this forward reads the tokens it samples.
-            if self._in_flight is not None and not self._sample(self._in_flight, events):
-                self._in_flight = None
-            step = _StepInFlight(sched.chunks, samplers, self.runner.forward(plan), masks)
-            if not masks:
-                step.launched = self.runner.sample(step.forward)
+            forward = self.runner.forward(plan)
+            allowed = None
+            if masks:  # they follow the tokens of the step in flight: those are read first
+                events += self._collect_in_flight()
+                allowed = fill_masks(masks, forward.num_samples, self.model_config.vocab_size)
+            launched = self.runner.sample(forward, allowed)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(sched.chunks, exc)
             return None
@@ -276,7 +258,7 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, known)
         for seq, num_rows, _ in samplers:
             seq.num_tokens += num_rows  # those past the accepted proposals go at collect
-        return step
+        return _StepInFlight(sched.chunks, samplers, launched)
 
     def _plan(
         self, chunks: list[ScheduledChunk]
@@ -334,9 +316,6 @@ class LLMEngine:
 
     def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
         """Wait for a launched step and turn its results into events."""
-        events: list[CandidateEvent] = []
-        if not self._sample(step, events):
-            return events
         try:
             result = self.runner.collect(step.launched)
         except Exception as exc:  # e.g. a device error surfacing at the sync
@@ -345,6 +324,7 @@ class LLMEngine:
             chunk = step.chunks[i]
             chunk.seq.request.add_prompt_logprobs(chunk.start + 1, lps)
 
+        events = []
         row = 0
         for seq, rows, proposed in step.samplers:
             tokens = result.token_ids[row : row + rows]
