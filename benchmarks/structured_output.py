@@ -103,7 +103,6 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (engine, "_plan", "plan"),
         (engine_module, "fill_masks", "masks filled"),
         (runner, "forward", "forward queued"),
-        (engine, "_sample", "masked sampling: masks filled, sampling queued"),
         (runner, "sample", "  sampling queued"),
     ]
     restore = time_parts(totals, parts)
