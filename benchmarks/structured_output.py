@@ -103,7 +103,7 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (engine, "_plan", "plan"),
         (engine_module, "fill_masks", "masks filled"),
         (runner, "forward", "forward queued"),
-        (runner, "sample", "  sampling queued"),
+        (runner, "sample", "sampling queued"),
     ]
     restore = time_parts(totals, parts)
     steps_before = engine.num_steps
