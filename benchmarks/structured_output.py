@@ -102,6 +102,8 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),
         (engine_module, "fill_masks", "masks filled"),
+        (engine_module, "start_filling", "masks: their fill begun"),
+        (engine, "_sample", "a step sampled later: its fill waited for, its sampling queued"),
         (runner, "forward", "forward queued"),
         (runner, "sample", "sampling queued"),
     ]

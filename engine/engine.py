@@ -17,6 +17,7 @@ import random
 import time
 from array import array
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,12 +27,12 @@ from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, fill_masks
+from engine.grammar import GrammarCompiler, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
 from engine.request import Request, Sequence, TokenMask
-from engine.runner import LaunchedStep, StepPlan
+from engine.runner import ForwardStep, LaunchedStep, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -62,11 +63,16 @@ _Samplers = list[tuple[Sequence, int, list[int]]]
 
 @dataclass
 class _StepInFlight:
-    """A step queued on the device, until its results are collected."""
+    """A step queued on the device, until its results are collected. One sampled under
+    token masks has its forward queued and its sampling not (launched None) while they
+    fill."""
 
     chunks: list[ScheduledChunk]
     samplers: _Samplers
-    launched: LaunchedStep
+    forward: ForwardStep
+    masks: list[tuple[int, TokenMask]]  # (its first row, the mask) per masked sequence
+    filling: Future[np.ndarray] | None = None
+    launched: LaunchedStep | None = None
 
 
 class LLMEngine:
@@ -211,22 +217,40 @@ class LLMEngine:
         waits for step t and turns its tokens into events, so the host's work overlaps the
         device's. Without it (the CPU), each call runs its own step.
 
-        A step sampled under token masks queues its forward, then collects step t (its
-        masks follow t's tokens), fills the masks while the device runs the forward, and
-        queues its sampling."""
+        A step sampled under token masks queues its forward and leaves its sampling for
+        the next call, just before the next forward. Its masks follow the tokens of step
+        t: they fill on llguidance's threads from when those are read back, while this
+        thread makes t's events and schedules and plans the next step."""
         # A proposer guesses from the tokens on the host: step t's are read first.
         events = self._collect_in_flight() if self.proposer is not None else []
         launched = self._launch(self.scheduler.schedule(), events)
-        events += self._collect_in_flight()
+        events += self._collect_in_flight(then_fill=launched)
+        if launched is not None and launched.masks and launched.filling is None:
+            launched.filling = self._start_filling(launched.masks, launched.forward.num_samples)
         if launched is not None and not self.config.uses_async_scheduling:
             events += self._collect(launched)
         else:
             self._in_flight = launched
         return events
 
-    def _collect_in_flight(self) -> list[CandidateEvent]:
+    def _collect_in_flight(self, then_fill: _StepInFlight | None = None) -> list[CandidateEvent]:
         step, self._in_flight = self._in_flight, None
-        return self._collect(step) if step is not None else []
+        return self._collect(step, then_fill) if step is not None else []
+
+    def _start_filling(self, masks: list[tuple[int, TokenMask]], rows: int) -> Future[np.ndarray]:
+        return start_filling(masks, rows, self.model_config.vocab_size)
+
+    def _sample(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
+        """Queue a step's sampling, under its masks once they are filled, unless queued;
+        on a failure its requests end (events) and it is dropped (False)."""
+        try:
+            if step.launched is None:
+                allowed = step.filling.result() if step.filling is not None else None
+                step.launched = self.runner.sample(step.forward, allowed)
+        except Exception as exc:  # an engine fault fails this step's requests, not the engine
+            events += self._fail_step(step.chunks, exc)
+            return False
+        return True
 
     def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
         """Queue a scheduled step on the device; on a failure its requests end (events)."""
@@ -235,12 +259,16 @@ class LLMEngine:
         self.num_steps += 1
         try:
             plan, samplers, masks = self._plan(sched.chunks)
+            # The step before goes first: this forward reads the tokens it samples.
+            if self._in_flight is not None and not self._sample(self._in_flight, events):
+                self._in_flight = None
+            filling = None
+            if masks and self._in_flight is None:  # what they follow is read: fill meanwhile
+                filling = self._start_filling(masks, int(plan.num_samples.sum()))
             forward = self.runner.forward(plan)
-            allowed = None
-            if masks:  # they follow the tokens of the step in flight: those are read first
-                events += self._collect_in_flight()
-                allowed = fill_masks(masks, forward.num_samples, self.model_config.vocab_size)
-            launched = self.runner.sample(forward, allowed)
+            step = _StepInFlight(sched.chunks, samplers, forward, masks, filling)
+            if not masks:
+                step.launched = self.runner.sample(forward)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(sched.chunks, exc)
             return None
@@ -258,7 +286,7 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq.block_table, seq.token_ids, known)
         for seq, num_rows, _ in samplers:
             seq.num_tokens += num_rows  # those past the accepted proposals go at collect
-        return _StepInFlight(sched.chunks, samplers, launched)
+        return step
 
     def _plan(
         self, chunks: list[ScheduledChunk]
@@ -314,17 +342,30 @@ class LLMEngine:
         )
         return plan, samplers, masks
 
-    def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
-        """Wait for a launched step and turn its results into events."""
+    def _collect(
+        self, step: _StepInFlight, then_fill: _StepInFlight | None = None
+    ) -> list[CandidateEvent]:
+        """Wait for a launched step and turn its results into events. then_fill, a step
+        queued meanwhile, has masks that follow this step's tokens: they begin to fill as
+        soon as those are read and the masks have moved past them."""
+        events: list[CandidateEvent] = []
+        if not self._sample(step, events):
+            return events
         try:
             result = self.runner.collect(step.launched)
         except Exception as exc:  # e.g. a device error surfacing at the sync
             return self._fail_step(step.chunks, exc)
+        row = 0
+        for seq, rows, _ in step.samplers:  # a masked sequence samples one row: no proposals
+            if seq.token_mask is not None and not seq.is_finished:
+                seq.token_mask.accept(result.token_ids[row])  # its grammar moves on past it
+            row += rows
+        if then_fill is not None and then_fill.masks:
+            then_fill.filling = self._start_filling(then_fill.masks, then_fill.forward.num_samples)
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
             chunk.seq.request.add_prompt_logprobs(chunk.start + 1, lps)
 
-        events = []
         row = 0
         for seq, rows, proposed in step.samplers:
             tokens = result.token_ids[row : row + rows]
@@ -362,8 +403,6 @@ class LLMEngine:
     ) -> CandidateEvent:
         request = seq.request
         seq.token_ids.append(token_id)
-        if seq.token_mask is not None:  # its grammar moves on past the token
-            seq.token_mask.accept(token_id)
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 

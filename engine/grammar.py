@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -165,20 +167,71 @@ class GrammarMask:
             )
 
 
-def fill_masks(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> np.ndarray:
+def start_filling(
+    masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int
+) -> Future[np.ndarray]:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
-    each (row, mask), which the mask fills: the grammar masks together on llguidance's
-    threads, any other mask in turn."""
+    each (row, mask), which the mask fills. The grammar masks fill together on llguidance's
+    threads, beside the caller, which goes on at once; any other mask is filled here, in
+    turn. The future holds the array, or what a fill raised."""
+    future: Future[np.ndarray] = Future()
     allowed = np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32)
-    grammars = [(mask.matcher, row) for row, mask in masks if isinstance(mask, GrammarMask)]
+    grammars = []
+    try:
+        for row, mask in masks:
+            if isinstance(mask, GrammarMask):
+                grammars.append((mask.matcher, row))
+            else:
+                mask.fill_next(allowed[row])
+    except Exception as exc:  # a fault of one step's masks, the caller's to report
+        future.set_exception(exc)
+        return future
     if grammars:
-        llguidance.numpy.fill_next_token_bitmask_par(_executor(), grammars, allowed)
-    for row, mask in masks:
-        if not isinstance(mask, GrammarMask):
-            mask.fill_next(allowed[row])
-    return allowed
+        _mask_filler().fill(grammars, allowed, future)
+    else:
+        future.set_result(allowed)
+    return future
+
+
+class _MaskFiller:
+    """A thread that hands llguidance's parallel fills their arrays, so that the engine
+    thread makes events and plans the next step while they fill.
+
+    llguidance fills without the interpreter lock, but a thread needs the lock to begin:
+    one that asks for it while another runs Python gets it only after the switch interval
+    (5 ms), far later than a fill takes. So the caller waits, lock released, until the
+    fill has begun; the thread does nothing between that signal and the fill."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._began = threading.Lock()  # held but while a fill begins: the thread releases it
+        self._began.acquire()
+        self._executor = llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
+        threading.Thread(target=self._run, name="token-masks", daemon=True).start()
+
+    def fill(self, grammars: list, allowed: np.ndarray, future: Future[np.ndarray]) -> None:
+        """Begin filling the grammars' rows of allowed; future gets allowed when done."""
+        self._jobs.put((grammars, allowed, future))
+        self._began.acquire()
+
+    def _run(self) -> None:
+        fill = self._executor.unsafe_compute_mask_ptr
+        while True:
+            grammars, allowed, future = self._jobs.get()
+            pointer, row_bytes = allowed.ctypes.data, allowed.strides[0]
+            self._began.release()
+            try:
+                fill(grammars, pointer, row_bytes, len(allowed))
+            except Exception as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(allowed)
 
 
 @functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
+def _mask_filler() -> _MaskFiller:
+    return _MaskFiller()
+
+
+# A forked child has none of its parent's threads: it starts its own at its first fill.
+os.register_at_fork(after_in_child=_mask_filler.cache_clear)

@@ -4,6 +4,8 @@ refused (by name, before and at compiling), what each mask lets through."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, fill_masks
+from engine.grammar import GrammarCompiler, start_filling
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -131,7 +133,7 @@ def test_a_schema_mask_admits_a_valid_document_token_by_token(compiler, tokenize
 def test_a_steps_masks_fill_their_rows_and_leave_the_others_all_ones(
     compiler, tokenizer, num_masks
 ) -> None:
-    """fill_masks gives each masked row what its own mask allows, at each mask's place in
+    """start_filling gives each masked row what its own mask allows, at each mask's place in
     its text; the rows between stay all ones."""
     masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+x|ab+c")))
     texts = ["12", "ab", "", "1x", "abbb"]
@@ -142,11 +144,39 @@ def test_a_steps_masks_fill_their_rows_and_leave_the_others_all_ones(
             mask.accept(token_id)
         placed.append((2 * i, mask))  # every other row masked
     vocab = tokenizer.vocab_size
-    allowed = fill_masks(placed, 2 * num_masks, vocab)
+    allowed = start_filling(placed, 2 * num_masks, vocab).result()
     for row, mask in placed:
         bits = np.unpackbits(allowed[row].view(np.uint8), bitorder="little")[:vocab]
         assert np.flatnonzero(bits).tolist() == allowed_ids(mask, vocab)
         assert (allowed[row + 1] == -1).all()
+
+
+def test_a_forked_child_fills_masks_on_threads_of_its_own(compiler, tokenizer) -> None:
+    """A child forked after the parent filled masks (its filling thread and llguidance's
+    exist) fills its own instead of waiting forever for threads it does not have."""
+    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+")))
+    placed = [(0, masks())]
+    parent = start_filling(placed, 1, tokenizer.vocab_size).result()
+    pid = os.fork()
+    if pid == 0:  # the child: a hang is cut off by the alarm and counts as a failure
+        signal.alarm(20)
+        try:
+            child = start_filling(placed, 1, tokenizer.vocab_size).result()
+            os._exit(0 if np.array_equal(child, parent) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_grammar_fill_that_raises_reaches_the_caller(compiler, tokenizer) -> None:
+    """A fault on the filling thread is the future's, not a lost thread's: the next
+    fill still runs."""
+    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+")))
+    with pytest.raises(ValueError, match="out of bounds"):
+        start_filling([(1, masks())], 1, tokenizer.vocab_size).result()  # row 1 of 1
+    allowed = start_filling([(0, masks())], 1, tokenizer.vocab_size).result()
+    assert np.flatnonzero(np.unpackbits(allowed[0].view(np.uint8), bitorder="little")).size
 
 
 @pytest.mark.parametrize("field, value", [("ignore_eos", True), ("min_tokens", 2)])

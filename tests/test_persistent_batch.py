@@ -338,11 +338,13 @@ class History(AllowOnly):
         super().fill_next(bitmask)
 
 
-def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tiny_llama):
+def test_a_masked_step_is_sampled_just_before_the_next_forward_its_masks_filled_between(
+    tiny_llama,
+):
     """With async scheduling, step t+1's forward is queued before step t's tokens are read
-    back; its masks are filled after them (each from every token before its row), and only
-    then is it sampled, in the same step() call: the host fills masks while the device
-    computes the forward."""
+    back; its masks are filled from right after them (each from every token before its
+    row), before t's events are made; its sampling is queued at the next call, right
+    before step t+2's forward, with no host work between them for the device to wait on."""
     llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=True)
     engine, runner = llm.engine, llm.engine.runner
     calls: list[str] = []
@@ -354,7 +356,20 @@ def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tin
             return _real(*args, **kwargs)
 
         setattr(runner, name, logged)
-    mask = History([5, 6, 7])
+    real_append = engine._append_token
+
+    def appended(*args, **kwargs):
+        calls.append("event")
+        return real_append(*args, **kwargs)
+
+    engine._append_token = appended
+
+    class Logged(History):
+        def fill_next(self, bitmask: np.ndarray) -> None:
+            calls.append("fill")
+            super().fill_next(bitmask)
+
+    mask = Logged([5, 6, 7])
     params = SamplingParams(max_tokens=8, **GREEDY)
     prompt = random_prompts(1, 400, seed=3, lo=6, hi=6)[0]
     engine.add_request("masked", prompt, params, 0, lambda: mask)
@@ -368,9 +383,9 @@ def test_a_masked_step_queues_its_forward_before_the_tokens_its_mask_follows(tin
         return [i for i, c in enumerate(calls) if c == name][k]
 
     for k in range(7):  # 8 steps: each samples one token
-        assert at("forward", k + 1) < at("collect", k) < at("sample", k + 1), calls
-    for k in range(1, 7):
-        assert at("sample", k) < at("forward", k + 1), calls
+        assert at("forward", k + 1) < at("collect", k) < at("fill", k + 1), calls
+        assert at("fill", k + 1) < at("event", k) < at("sample", k + 1), calls
+        assert at("sample", k) + 1 == at("forward", k + 1), calls
     assert_pool_empty(llm)
 
 
