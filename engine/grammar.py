@@ -211,17 +211,17 @@ class _MaskFiller:
 
     def fill(self, grammars: list, allowed: np.ndarray, future: Future[np.ndarray]) -> None:
         """Begin filling the grammars' rows of allowed; future gets allowed when done."""
-        self._jobs.put((grammars, allowed, future))
+        where = (allowed.ctypes.data, allowed.strides[0], len(allowed))
+        self._jobs.put((grammars, where, allowed, future))
         self._began.acquire()
 
     def _run(self) -> None:
         fill = self._executor.unsafe_compute_mask_ptr
         while True:
-            grammars, allowed, future = self._jobs.get()
-            pointer, row_bytes = allowed.ctypes.data, allowed.strides[0]
+            grammars, where, allowed, future = self._jobs.get()
             self._began.release()
             try:
-                fill(grammars, pointer, row_bytes, len(allowed))
+                fill(grammars, *where)
             except Exception as exc:
                 future.set_exception(exc)
             else:
