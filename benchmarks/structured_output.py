@@ -94,18 +94,23 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
     a part an engine does not have is left out, so engines of other layouts compare)."""
     engine, runner = llm.engine, llm.engine.runner
     engine_module = sys.modules[type(engine).__module__]
+    runner_module = sys.modules[type(runner).__module__]
+    filler = getattr(sys.modules["engine.grammar"], "_MaskFiller", None)
     totals: dict[str, float] = defaultdict(float)
     parts = [
         (engine, "step", "step"),
         (engine, "_collect", "collect: sync, events, masks advanced"),
+        (engine, "_read", "a step read back: the sync, masks advanced"),
         (runner, "collect", "  the sync and the read-back"),
         (engine.scheduler, "schedule", "schedule"),
         (engine, "_plan", "plan"),
         (engine_module, "fill_masks", "masks filled"),
         (engine_module, "start_filling", "masks: their fill begun"),
+        (filler, "fill", "  the hand-over to the filling thread"),
         (engine, "_sample", "a step sampled later: its fill waited for, its sampling queued"),
         (runner, "forward", "forward queued"),
         (runner, "sample", "sampling queued"),
+        (runner_module, "upload", "  uploads: the forward's, the masks'"),
     ]
     restore = time_parts(totals, parts)
     steps_before = engine.num_steps

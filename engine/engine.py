@@ -32,7 +32,7 @@ from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
 from engine.request import Request, Sequence, TokenMask
-from engine.runner import ForwardStep, LaunchedStep, StepPlan
+from engine.runner import ForwardStep, LaunchedStep, StepOutput, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -65,14 +65,14 @@ _Samplers = list[tuple[Sequence, int, list[int]]]
 class _StepInFlight:
     """A step queued on the device, until its results are collected. One sampled under
     token masks has its forward queued and its sampling not (launched None) while they
-    fill."""
+    fill; a step's results may be read (result) before its events are made."""
 
     chunks: list[ScheduledChunk]
     samplers: _Samplers
     forward: ForwardStep
-    masks: list[tuple[int, TokenMask]]  # (its first row, the mask) per masked sequence
-    filling: Future[np.ndarray] | None = None
+    filling: Future[np.ndarray] | None  # the masks, when it has any
     launched: LaunchedStep | None = None
+    result: StepOutput | None = None
 
 
 class LLMEngine:
@@ -217,40 +217,24 @@ class LLMEngine:
         waits for step t and turns its tokens into events, so the host's work overlaps the
         device's. Without it (the CPU), each call runs its own step.
 
-        A step sampled under token masks queues its forward and leaves its sampling for
-        the next call, just before the next forward. Its masks follow the tokens of step
-        t: they fill on llguidance's threads from when those are read back, while this
-        thread makes t's events and schedules and plans the next step."""
+        A step sampled under token masks reads step t's tokens back before its forward is
+        queued (its masks follow them), and its masks fill on llguidance's threads from
+        then on, while this thread queues the forward, makes t's events and schedules and
+        plans the next step. Its sampling waits for the next call, right before the next
+        forward."""
         # A proposer guesses from the tokens on the host: step t's are read first.
         events = self._collect_in_flight() if self.proposer is not None else []
         launched = self._launch(self.scheduler.schedule(), events)
-        events += self._collect_in_flight(then_fill=launched)
-        if launched is not None and launched.masks and launched.filling is None:
-            launched.filling = self._start_filling(launched.masks, launched.forward.num_samples)
+        events += self._collect_in_flight()
         if launched is not None and not self.config.uses_async_scheduling:
             events += self._collect(launched)
         else:
             self._in_flight = launched
         return events
 
-    def _collect_in_flight(self, then_fill: _StepInFlight | None = None) -> list[CandidateEvent]:
+    def _collect_in_flight(self) -> list[CandidateEvent]:
         step, self._in_flight = self._in_flight, None
-        return self._collect(step, then_fill) if step is not None else []
-
-    def _start_filling(self, masks: list[tuple[int, TokenMask]], rows: int) -> Future[np.ndarray]:
-        return start_filling(masks, rows, self.model_config.vocab_size)
-
-    def _sample(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
-        """Queue a step's sampling, under its masks once they are filled, unless queued;
-        on a failure its requests end (events) and it is dropped (False)."""
-        try:
-            if step.launched is None:
-                allowed = step.filling.result() if step.filling is not None else None
-                step.launched = self.runner.sample(step.forward, allowed)
-        except Exception as exc:  # an engine fault fails this step's requests, not the engine
-            events += self._fail_step(step.chunks, exc)
-            return False
-        return True
+        return self._collect(step) if step is not None else []
 
     def _launch(self, sched: SchedulerOutput, events: list[CandidateEvent]) -> _StepInFlight | None:
         """Queue a scheduled step on the device; on a failure its requests end (events)."""
@@ -263,12 +247,14 @@ class LLMEngine:
             if self._in_flight is not None and not self._sample(self._in_flight, events):
                 self._in_flight = None
             filling = None
-            if masks and self._in_flight is None:  # what they follow is read: fill meanwhile
-                filling = self._start_filling(masks, int(plan.num_samples.sum()))
-            forward = self.runner.forward(plan)
-            step = _StepInFlight(sched.chunks, samplers, forward, masks, filling)
+            if masks:  # they follow the tokens of the step before: those are read first
+                if self._in_flight is not None and not self._read(self._in_flight, events):
+                    self._in_flight = None
+                rows, vocab_size = int(plan.num_samples.sum()), self.model_config.vocab_size
+                filling = start_filling(masks, rows, vocab_size)
+            step = _StepInFlight(sched.chunks, samplers, self.runner.forward(plan), filling)
             if not masks:
-                step.launched = self.runner.sample(forward)
+                step.launched = self.runner.sample(step.forward)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(sched.chunks, exc)
             return None
@@ -292,7 +278,7 @@ class LLMEngine:
         self, chunks: list[ScheduledChunk]
     ) -> tuple[StepPlan, _Samplers, list[tuple[int, TokenMask]]]:
         """The step's arrays for the runner, its samplers, and the first row and mask of
-        each sequence sampled under a mask (filled once the forward is queued)."""
+        each sequence sampled under a mask."""
         # Runs for every sequence of every step: plain loops over plain values.
         size = len(chunks)
         slots, query_lens, seq_lens, num_samples, num_prompt = (
@@ -342,30 +328,45 @@ class LLMEngine:
         )
         return plan, samplers, masks
 
-    def _collect(
-        self, step: _StepInFlight, then_fill: _StepInFlight | None = None
-    ) -> list[CandidateEvent]:
-        """Wait for a launched step and turn its results into events. then_fill, a step
-        queued meanwhile, has masks that follow this step's tokens: they begin to fill as
-        soon as those are read and the masks have moved past them."""
-        events: list[CandidateEvent] = []
-        if not self._sample(step, events):
-            return events
+    def _sample(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
+        """Queue a step's sampling, under its masks once they are filled, unless queued;
+        on a failure its requests end (events) and it is dropped (False)."""
         try:
-            result = self.runner.collect(step.launched)
+            if step.launched is None:
+                allowed = step.filling.result() if step.filling is not None else None
+                step.launched = self.runner.sample(step.forward, allowed)
+        except Exception as exc:  # an engine fault fails this step's requests, not the engine
+            events += self._fail_step(step.chunks, exc)
+            return False
+        return True
+
+    def _read(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
+        """Wait for a sampled step's results, unless read, and move each masked sequence's
+        matcher past its token; on a failure its requests end (events) and it is dropped
+        (False)."""
+        if step.result is not None:
+            return True
+        try:
+            step.result = self.runner.collect(step.launched)
         except Exception as exc:  # e.g. a device error surfacing at the sync
-            return self._fail_step(step.chunks, exc)
+            events += self._fail_step(step.chunks, exc)
+            return False
         row = 0
         for seq, rows, _ in step.samplers:  # a masked sequence samples one row: no proposals
             if seq.token_mask is not None and not seq.is_finished:
-                seq.token_mask.accept(result.token_ids[row])  # its grammar moves on past it
+                seq.token_mask.accept(step.result.token_ids[row])
             row += rows
-        if then_fill is not None and then_fill.masks:
-            then_fill.filling = self._start_filling(then_fill.masks, then_fill.forward.num_samples)
+        return True
+
+    def _collect(self, step: _StepInFlight) -> list[CandidateEvent]:
+        """Wait for a launched step and turn its results into events."""
+        events: list[CandidateEvent] = []
+        if not (self._sample(step, events) and self._read(step, events)):
+            return events
+        result = step.result
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
             chunk.seq.request.add_prompt_logprobs(chunk.start + 1, lps)
-
         row = 0
         for seq, rows, proposed in step.samplers:
             tokens = result.token_ids[row : row + rows]

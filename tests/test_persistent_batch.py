@@ -338,13 +338,13 @@ class History(AllowOnly):
         super().fill_next(bitmask)
 
 
-def test_a_masked_step_is_sampled_just_before_the_next_forward_its_masks_filled_between(
+def test_a_masked_step_reads_the_tokens_its_masks_follow_and_fills_them_beside_its_forward(
     tiny_llama,
 ):
-    """With async scheduling, step t+1's forward is queued before step t's tokens are read
-    back; its masks are filled from right after them (each from every token before its
-    row), before t's events are made; its sampling is queued at the next call, right
-    before step t+2's forward, with no host work between them for the device to wait on."""
+    """With async scheduling, a masked step t+1 reads step t's tokens back before its
+    forward is queued, and its masks begin to fill right then (each from every token
+    before its row), before the forward is queued and t's events are made; its sampling
+    is queued at the next call, right before step t+2's forward."""
     llm = make_llm(tiny_llama, num_blocks=128, async_scheduling=True)
     engine, runner = llm.engine, llm.engine.runner
     calls: list[str] = []
@@ -383,9 +383,9 @@ def test_a_masked_step_is_sampled_just_before_the_next_forward_its_masks_filled_
         return [i for i, c in enumerate(calls) if c == name][k]
 
     for k in range(7):  # 8 steps: each samples one token
-        assert at("forward", k + 1) < at("collect", k) < at("fill", k + 1), calls
-        assert at("fill", k + 1) < at("event", k) < at("sample", k + 1), calls
-        assert at("sample", k) + 1 == at("forward", k + 1), calls
+        assert at("sample", k) < at("collect", k) < at("fill", k + 1), calls
+        assert at("fill", k + 1) + 1 == at("forward", k + 1), calls
+        assert at("forward", k + 1) < at("event", k) < at("sample", k + 1), calls
     assert_pool_empty(llm)
 
 
