@@ -106,7 +106,7 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
         (engine, "_plan", "plan"),
         (engine_module, "fill_masks", "masks filled"),
         (engine_module, "start_filling", "masks: their fill begun"),
-        (filler, "fill", "  the hand-over to the filling thread"),
+        (filler, "start", "  the hand-over to the filling thread"),
         (engine, "_sample", "a step sampled later: its fill waited for, its sampling queued"),
         (runner, "forward", "forward queued"),
         (runner, "sample", "sampling queued"),

@@ -17,7 +17,6 @@ import random
 import time
 from array import array
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +26,7 @@ from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ValidationError
-from engine.grammar import GrammarCompiler, start_filling
+from engine.grammar import GrammarCompiler, MaskFill, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
 from engine.prompts import PromptEncoder
@@ -70,7 +69,7 @@ class _StepInFlight:
     chunks: list[ScheduledChunk]
     samplers: _Samplers
     forward: ForwardStep
-    filling: Future[np.ndarray] | None  # the masks, when it has any
+    filling: MaskFill | None  # the masks, when it has any
     launched: LaunchedStep | None = None
     result: StepOutput | None = None
 

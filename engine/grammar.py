@@ -167,40 +167,55 @@ class GrammarMask:
             )
 
 
-def start_filling(
-    masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int
-) -> Future[np.ndarray]:
+def start_filling(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> MaskFill:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
     each (row, mask), which the mask fills. The grammar masks fill together on llguidance's
     threads, beside the caller, which goes on at once; any other mask is filled here, in
-    turn. The future holds the array, or what a fill raised."""
-    future: Future[np.ndarray] = Future()
-    allowed = np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32)
+    turn."""
+    fill = MaskFill(np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32))
     grammars = []
     try:
         for row, mask in masks:
             if isinstance(mask, GrammarMask):
                 grammars.append((mask.matcher, row))
             else:
-                mask.fill_next(allowed[row])
+                mask.fill_next(fill.allowed[row])
     except Exception as exc:  # a fault of one step's masks, the caller's to report
-        future.set_exception(exc)
-        return future
+        fill.error = exc
+        return fill
     if grammars:
-        _mask_filler().fill(grammars, allowed, future)
-    else:
-        future.set_result(allowed)
-    return future
+        _mask_filler().start(fill, grammars)
+    return fill
+
+
+@dataclass
+class MaskFill:
+    """A step's token masks, filled or filling."""
+
+    allowed: np.ndarray
+    error: Exception | None = None  # what a fill raised
+    # Held while the masks fill: the filling thread releases it when they are done.
+    filling: threading.Lock | None = None
+
+    def result(self) -> np.ndarray:
+        """The masks, once filled; or what a fill raised."""
+        if self.filling is not None:
+            self.filling.acquire()
+            self.filling = None
+        if self.error is not None:
+            raise self.error
+        return self.allowed
 
 
 class _MaskFiller:
     """A thread that hands llguidance's parallel fills their arrays, so that the engine
     thread makes events and plans the next step while they fill.
 
-    llguidance fills without the interpreter lock, but a thread needs the lock to begin:
-    one that asks for it while another runs Python gets it only after the switch interval
-    (5 ms), far later than a fill takes. So the caller waits, lock released, until the
-    fill has begun; the thread does nothing between that signal and the fill."""
+    llguidance fills without the interpreter lock, but a thread needs the lock to begin
+    and to end: one that asks for it while another runs Python gets it only after the
+    switch interval (5 ms), far later than a fill takes. So the caller waits, lock
+    released, until the fill has begun; the thread does nothing between that signal and
+    the fill, and after it only releases the lock the caller waits on for the masks."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -209,23 +224,24 @@ class _MaskFiller:
         self._executor = llguidance.LLExecutor()  # threads: 80% of the CPUs, up to 32
         threading.Thread(target=self._run, name="token-masks", daemon=True).start()
 
-    def fill(self, grammars: list, allowed: np.ndarray, future: Future[np.ndarray]) -> None:
-        """Begin filling the grammars' rows of allowed; future gets allowed when done."""
-        where = (allowed.ctypes.data, allowed.strides[0], len(allowed))
-        self._jobs.put((grammars, where, allowed, future))
+    def start(self, fill: MaskFill, grammars: list) -> None:
+        """Begin filling the grammars' rows of fill.allowed."""
+        fill.filling = threading.Lock()
+        fill.filling.acquire()
+        allowed = fill.allowed
+        self._jobs.put((fill, grammars, allowed.ctypes.data, allowed.strides[0], len(allowed)))
         self._began.acquire()
 
     def _run(self) -> None:
-        fill = self._executor.unsafe_compute_mask_ptr
+        compute = self._executor.unsafe_compute_mask_ptr
         while True:
-            grammars, where, allowed, future = self._jobs.get()
+            fill, grammars, *where = self._jobs.get()
             self._began.release()
             try:
-                fill(grammars, *where)
+                compute(grammars, *where)
             except Exception as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(allowed)
+                fill.error = exc
+            fill.filling.release()
 
 
 @functools.cache
