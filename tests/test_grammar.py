@@ -151,6 +151,33 @@ def test_a_steps_masks_fill_their_rows_and_leave_the_others_all_ones(
         assert (allowed[row + 1] == -1).all()
 
 
+def test_start_filling_returns_while_the_masks_fill_and_they_fill_right(
+    compiler, tokenizer
+) -> None:
+    """The caller goes on while llguidance fills (the engine thread queues the forward and
+    makes events meanwhile): start_filling is back before a fill of thousands of rows inside
+    a free string, which takes tens of milliseconds here, is done; each row ends up what
+    its own matcher allows."""
+    schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+    masks = compiler.masks(compiler.compile(Constraint("json_schema", json.dumps(schema))))
+    opening = tokenizer.encode('{"note": "', add_special_tokens=False)
+    placed = []
+    for row in range(2000):
+        mask = masks()
+        for token_id in opening:
+            mask.accept(token_id)
+        placed.append((row, mask))
+    fill = start_filling(placed, len(placed), tokenizer.vocab_size)
+    assert fill.filling is not None and fill.filling.locked()  # still filling
+    allowed = fill.result()
+    for row in (0, 999, 1999):
+        bits = np.unpackbits(allowed[row].view(np.uint8), bitorder="little")
+        assert np.flatnonzero(bits[: tokenizer.vocab_size]).tolist() == allowed_ids(
+            placed[row][1], tokenizer.vocab_size
+        )
+    assert len(allowed_ids(placed[0][1], tokenizer.vocab_size)) > 1000  # inside the string
+
+
 def test_a_forked_child_fills_masks_on_threads_of_its_own(compiler, tokenizer) -> None:
     """A child forked after the parent filled masks (its filling thread and llguidance's
     exist) fills its own instead of waiting forever for threads it does not have."""
