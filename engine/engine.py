@@ -350,6 +350,8 @@ class LLMEngine:
         except Exception as exc:  # e.g. a device error surfacing at the sync
             events += self._fail_step(step.chunks, exc)
             return False
+        if step.filling is None:  # no sequence of it has a mask
+            return True
         row = 0
         for seq, rows, _ in step.samplers:  # a masked sequence samples one row: no proposals
             if seq.token_mask is not None and not seq.is_finished:
