@@ -15,6 +15,14 @@ states filled over and over, which llguidance answers from what it kept.
 Unpack: the bitmask to one bool per token, as the sampler needs it wherever masks are not
 applied inside a Triton kernel (the CPU; filters on CUDA): a word gathered per token
 against each word shifted by 0..31 at once (engine/kernels/race.py's unpack_bitmask).
+
+Walk: a step's fill as benchmarks/structured_output.py's workload meets it. --walk-rows
+candidates, each answering an array of 8 documents of one of tests/json_schemas.py's 20
+schemas in turn, go --walk-steps steps, each picking a seeded random token among those its
+mask allows (a new answer where one ends). Per step: all rows filled one at a time, and on
+llguidance's threads as the engine fills them (each on copies of the same matchers, filled
+for the first time), the slowest row, and the share of rows (and of the one-at-a-time
+time) over 100 us.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import statistics
 import sys
 import time
@@ -34,12 +43,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.structured_output import documents  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
 from engine.constraints import Constraint  # noqa: E402
 from engine.grammar import GrammarCompiler  # noqa: E402
 from engine.kernels.race import unpack_bitmask  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
+from tests.json_schemas import SCHEMAS  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -111,12 +122,61 @@ def first_fill_us(
     return round(statistics.median(times) * 1e6, 1)
 
 
+def walk(compiler: GrammarCompiler, vocab_size: int, rows: int, steps: int) -> dict:
+    """Per step of the structured-output workload's rows: the fill's times (module doc)."""
+    starts = [
+        compiler.compile(Constraint("json_schema", json.dumps(documents(schema, 8))))
+        for _, schema in SCHEMAS
+    ]
+    words, rng = -(-vocab_size // 32), random.Random(0)
+    matchers = [starts[row % len(starts)].deep_copy() for row in range(rows)]
+    one, parallel = (np.empty((rows, words), dtype=np.int32) for _ in range(2))
+    per_step: dict[str, list[float]] = {"one": [], "parallel": [], "slowest": []}
+    row_times: list[float] = []
+    for step in range(steps):
+        # A grammar's copies share what its lexer learns: the way that fills a state first
+        # pays for it, so the two ways take turns going first.
+        times = []
+        for way in ("parallel", "one") if step % 2 else ("one", "parallel"):
+            copies = [matcher.deep_copy() for matcher in matchers]
+            if way == "parallel":
+                began = time.perf_counter()
+                fill_in_parallel(copies, parallel)
+                per_step["parallel"].append(time.perf_counter() - began)
+                continue
+            for row, copy in enumerate(copies):
+                began = time.perf_counter()
+                llguidance.numpy.fill_next_token_bitmask(copy, one, row)
+                times.append(time.perf_counter() - began)
+        assert np.array_equal(one, parallel)
+        per_step["one"].append(sum(times))
+        per_step["slowest"].append(max(times))
+        row_times += times
+        bits = np.unpackbits(one.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        for row, matcher in enumerate(matchers):
+            token = int(rng.choice(np.flatnonzero(bits[row])))
+            if not matcher.consume_token(token) or matcher.is_stopped():
+                matchers[row] = starts[rng.randrange(len(starts))].deep_copy()  # a new answer
+    slow = [t for t in row_times if t > 100e-6]
+    return {
+        "rows": rows,
+        "steps": steps,
+        "one_at_a_time_ms": round(1e3 * statistics.mean(per_step["one"]), 3),
+        "in_parallel_ms": round(1e3 * statistics.mean(per_step["parallel"]), 3),
+        "slowest_row_ms": round(1e3 * statistics.mean(per_step["slowest"]), 3),
+        "rows_over_100us": round(len(slow) / len(row_times), 3),
+        "time_in_rows_over_100us": round(sum(slow) / sum(row_times), 3),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--device", default="cpu", help="where the unpacking runs")
     p.add_argument("--tokenizer", type=Path, help="default: the embedded default's")
+    p.add_argument("--walk-rows", type=int, nargs="*", default=[28, 64])
+    p.add_argument("--walk-steps", type=int, default=200)
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
 
@@ -153,7 +213,17 @@ def main() -> None:
         print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         results.append(row)
 
-    result = {**run_info(), "device": str(device), "vocab_size": vocab_size, "results": results}
+    walks = []
+    for rows in args.walk_rows:
+        walks.append(walk(compiler, vocab_size, rows, args.walk_steps))
+        print("  ".join(f"{k} {v}" for k, v in walks[-1].items()), flush=True)
+    result = {
+        **run_info(),
+        "device": str(device),
+        "vocab_size": vocab_size,
+        "results": results,
+        "walk": walks,
+    }
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
 
