@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from engine.engine import LLMEngine
-from engine.errors import EngineError, ModelLoadError, ValidationError
+from engine.errors import EngineError, EngineOverloaded, ModelLoadError, ValidationError
 from engine.grammar import PendingGrammar
 from engine.outputs import CandidateEvent, FinishReason
 from engine.request_stream import RequestStream
@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 
 # How long an idle loop waits on a compiling constraint before it looks at its inbox again.
 _COMPILE_POLL_SECONDS = 0.01
-
-
-class EngineOverloaded(EngineError):
-    """The bounded request queue is full; retry later."""
 
 
 class EngineStopped(EngineError):
@@ -121,9 +117,10 @@ def run_engine_loop(
             elif isinstance(item, Submit):
                 admissions.append((item.ticket, _admit(engine, item, tickets)))
             else:
-                for ticket, (submit, _) in list(compiling.items()):
+                for ticket, (submit, grammar) in list(compiling.items()):
                     if submit.request_id == item.request_id and item.ticket in (None, ticket):
                         del compiling[ticket]
+                        grammar.cancel()
                         engine.aborts[item.door, "compiling"] += 1
                         admissions.append((ticket, EngineError("cancelled before admission")))
                 if item.ticket is None or tickets.get(item.request_id) == item.ticket:
@@ -153,7 +150,7 @@ def _admit(
         engine.add_request(
             item.request_id, item.prompt_token_ids, item.params, item.priority, token_mask
         )
-    except ValidationError as exc:
+    except (ValidationError, EngineOverloaded) as exc:
         return exc
     except Exception as exc:  # as a plain EngineError, which pickles whatever it wrapped
         return EngineError(f"{type(exc).__name__}: {exc}")

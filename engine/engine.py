@@ -177,6 +177,7 @@ class LLMEngine:
             raise RuntimeError("reset_state needs an idle engine")
         self.block_manager.reset()
         self.scheduler.num_preemptions = 0
+        self.grammars.reset()
         self._start_counting()
 
     def _start_counting(self) -> None:
@@ -206,6 +207,7 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,
             aborts=tuple((door, stage, n) for (door, stage), n in sorted(self.aborts.items())),
+            grammar=self.grammars.stats(),
         )
 
     # ---- one step ---------------------------------------------------------------------

@@ -16,5 +16,10 @@ class ValidationError(EngineError, ValueError):
         return type(self), (self.field, self.message)
 
 
+class EngineOverloaded(EngineError):
+    """A bounded resource is full (the request queue, the grammar compiler's threads); retry
+    later."""
+
+
 class ModelLoadError(EngineError):
     """A model could not be found, parsed, or matched to its weights."""

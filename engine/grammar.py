@@ -3,9 +3,12 @@
 GrammarCompiler turns a constraint into a grammar for the engine's tokenizer on threads of
 its own (llguidance releases the interpreter lock while it builds one), so neither the
 engine loop nor the event loop waits for it; the grammars built last are kept, a bounded
-number, keyed by the constraint. A build that runs past the time limit is refused with
-its own error and left to finish on its thread: the pool is small, so a flood of
-pathological schemas costs constrained requests their compile slots, never the server.
+number, keyed by the constraint. A build has the time limit to begin and as long again to
+finish. One that runs past it is refused as the constraint's fault (ValidationError) and
+left to finish on its thread (llguidance's own limits bound it); one that never got a
+thread is refused as the server's (EngineOverloaded: retry). So a flood of pathological
+schemas costs constrained requests a wait and a retry, never the server, and never an
+answer that blames a simple schema.
 
 A compiled constraint is a matcher at its start; each candidate gets a copy of its own
 (GrammarMask, a TokenMask of engine/request.py) that fills the candidate's row of the
@@ -20,6 +23,7 @@ transformers, builds a grammar in about a millisecond and fills a mask in micros
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -29,9 +33,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.numpy
@@ -39,8 +43,9 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.constraints import Constraint
-from engine.errors import ValidationError
+from engine.errors import EngineOverloaded, ValidationError
 from engine.request import TokenMask
+from engine.stats import GRAMMAR_BUILD_SECONDS_BOUNDS, GrammarStats
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,27 +72,49 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
-        self._lock = threading.Lock()  # the cache is read and filled from several threads
+        self._lock = threading.Lock()  # the cache and stats change on several threads
+        self._stats = GrammarStats()  # replaced, never changed: a reader needs no lock
 
     def start(self, constraint: Constraint) -> PendingGrammar:
         """Compile on the pool."""
-        future = self._pool.submit(self._compile, constraint)
-        return PendingGrammar(constraint, future, time.monotonic(), self.time_limit)
+        pending = PendingGrammar(constraint, self.time_limit)
+        pending.future = self._pool.submit(self._build, pending)
+        return pending
 
     def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         """Compile and wait, up to the time limit."""
         return self.start(constraint).matcher(wait=True)
 
+    def stats(self) -> GrammarStats:
+        return self._stats
+
+    def reset(self) -> None:
+        """Forget the grammars built and their counts (the tokenizer is kept)."""
+        with self._lock:
+            self._cache.clear()
+            self._stats = GrammarStats()
+
     def masks(self, start: llguidance.LLMatcher) -> Callable[[], TokenMask]:
         """Makes one candidate's mask each call, from a compiled constraint."""
         return lambda: GrammarMask(start.deep_copy())
+
+    def _build(self, pending: PendingGrammar) -> llguidance.LLMatcher:
+        pending.began = time.monotonic()
+        return self._compile(pending.constraint)
 
     def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         with self._lock:
             if constraint in self._cache:
                 self._cache.move_to_end(constraint)
+                self._stats = dataclasses.replace(
+                    self._stats, cache_hits=self._stats.cache_hits + 1
+                )
                 return self._cache[constraint]
-        matcher = llguidance.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+        started = time.perf_counter()
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+        finally:
+            self._count_build(time.perf_counter() - started)
         if matcher.is_error():
             raise ValidationError(
                 constraint.field, f"cannot be compiled: {_one_line(matcher.get_error())}"
@@ -98,32 +125,61 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
+    def _count_build(self, seconds: float) -> None:
+        with self._lock:
+            stats = self._stats
+            within = zip(stats.builds_within, GRAMMAR_BUILD_SECONDS_BOUNDS, strict=True)
+            self._stats = dataclasses.replace(
+                stats,
+                builds_within=tuple(n + (seconds <= bound) for n, bound in within),
+                builds=stats.builds + 1,
+                build_seconds=stats.build_seconds + seconds,
+            )
+
 
 @dataclass
 class PendingGrammar:
     """A constraint compiling on the pool, until it is built, refused or out of time."""
 
     constraint: Constraint
-    future: Future[llguidance.LLMatcher]
-    started: float  # time.monotonic()
     time_limit: float
+    queued: float = field(default_factory=time.monotonic)
+    began: float | None = None  # when a pool thread began the build (set on that thread)
+    future: Future[llguidance.LLMatcher] = field(init=False)
+
+    @property
+    def deadline(self) -> float:
+        """The time limit counts from the build's start, or from the queueing until then."""
+        return (self.queued if self.began is None else self.began) + self.time_limit
 
     @property
     def settled(self) -> bool:
-        """matcher() answers at once: built, refused, or past the time limit."""
-        return self.future.done() or time.monotonic() - self.started > self.time_limit
+        """matcher() answers at once: built, refused, or past its deadline."""
+        return self.future.done() or time.monotonic() > self.deadline
 
     def matcher(self, wait: bool = False) -> llguidance.LLMatcher:
-        """The compiled constraint (with `wait`, waiting up to the time limit), or the
-        ValidationError that refuses it: why it cannot be compiled, or that it is late."""
-        left = self.time_limit - (time.monotonic() - self.started)
-        try:
-            return self.future.result(timeout=max(0.0, left) if wait else 0)
-        except FutureTimeout:
-            self.future.cancel()  # if it never started; a running build finishes unread
-            raise ValidationError(
-                self.constraint.field, f"did not compile within {self.time_limit:g} s; simplify it"
-            ) from None
+        """The compiled constraint (with `wait`, waiting up to its deadline), or the error
+        that refuses it: a ValidationError (it cannot be compiled, or its build ran out of
+        time) or EngineOverloaded (it waited its time for a thread)."""
+        if wait:  # to the start's deadline, then (if it began) to the build's
+            for _ in range(2):
+                futures.wait([self.future], timeout=max(0.0, self.deadline - time.monotonic()))
+        if self.future.done():
+            return self.future.result()
+        began = self.began
+        if self.future.cancel() or began is None or time.monotonic() - began <= self.time_limit:
+            raise EngineOverloaded(
+                f"{self.constraint.field}: no grammar compile thread was free for "
+                f"{self.time_limit:g} s (other constraints' builds hold them); retry later"
+            )
+        # The build runs on, unread: llguidance cannot be interrupted.
+        raise ValidationError(
+            self.constraint.field, f"did not compile within {self.time_limit:g} s; simplify it"
+        )
+
+    def cancel(self) -> None:
+        """Its caller left: a build that has not begun never will."""
+        self.future.cancel()
 
 
 def _grammar(constraint: Constraint) -> str:

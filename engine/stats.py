@@ -43,6 +43,23 @@ class EngineInfo:
     startup: StartupTimes = field(default_factory=StartupTimes)
 
 
+# Upper bounds, in seconds, of the grammar build-time histogram's buckets.
+GRAMMAR_BUILD_SECONDS_BOUNDS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+@dataclass(frozen=True)
+class GrammarStats:
+    """Cumulative: how the engine's constraints were compiled (engine/grammar.py)."""
+
+    cache_hits: int = 0
+    # Builds (cache misses), each counted when it ends, whether or not its caller still
+    # waits for it: how many took at most each of GRAMMAR_BUILD_SECONDS_BOUNDS, how many in
+    # all, and their seconds in all.
+    builds_within: tuple[int, ...] = (0,) * len(GRAMMAR_BUILD_SECONDS_BOUNDS)
+    builds: int = 0
+    build_seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running_requests: int  # requests with at least one candidate in the running batch
@@ -59,6 +76,7 @@ class EngineStats:
     # door a caller left by, or cancel_rpc), stage where the request was (Request.stage,
     # or inbox: cancelled before the loop admitted it)
     aborts: tuple[tuple[str, str, int], ...] = ()
+    grammar: GrammarStats = field(default_factory=GrammarStats)
 
     @property
     def kv_cache_usage(self) -> float:

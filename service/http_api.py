@@ -36,12 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from engine.async_engine import (
-    AsyncEngine,
-    EngineOverloaded,
-    EngineStopped,
-)
-from engine.errors import ValidationError
+from engine.async_engine import AsyncEngine, EngineStopped
+from engine.errors import EngineOverloaded, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, TokenLogprob
 from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import SamplingParams, check_count

@@ -17,11 +17,16 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import start_http_server as start_prometheus_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from engine.outputs import CandidateEvent
-from engine.stats import EngineStats
+from engine.stats import GRAMMAR_BUILD_SECONDS_BOUNDS, EngineStats
 
 # Seconds. Wide enough for a CPU host (a prefill of seconds, decode of 100s of ms per
 # token) and fine enough at the bottom for a GPU (ms TTFT, a few ms per token).
@@ -229,12 +234,26 @@ class _EngineStatsCollector(Collector):
             "pagedserve_requests_aborted",
             "Requests whose callers left or cancelled them, by the door they left by "
             "(grpc_unary, grpc_stream, rest_unary, rest_stream, cancel_rpc, slow_reader) "
-            "and the stage they were at (inbox, waiting, prefill, decode, preempted).",
+            "and the stage they were at (inbox, compiling, waiting, prefill, decode, preempted).",
             labels=["door", "stage"],
         )
         for door, stage, count in stats.aborts:
             aborted.add_metric([door, stage], count)
         yield aborted
+        grammar = stats.grammar
+        yield _counter(
+            "grammar_cache_hits",
+            "Constraints whose grammar was already built (cached per constraint).",
+            grammar.cache_hits,
+        )
+        bounds = [f"{bound:g}" for bound in GRAMMAR_BUILD_SECONDS_BOUNDS] + ["+Inf"]
+        yield HistogramMetricFamily(
+            "pagedserve_grammar_build_seconds",
+            "Grammar builds of constraints (cache misses), whether or not their callers "
+            "still waited for them.",
+            buckets=list(zip(bounds, [*grammar.builds_within, grammar.builds], strict=True)),
+            sum_value=grammar.build_seconds,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

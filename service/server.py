@@ -25,16 +25,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import (
-    AsyncEngine,
-    EngineOverloaded,
-    EngineStopped,
-    EngineThread,
-)
+from engine.async_engine import AsyncEngine, EngineStopped, EngineThread
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import EngineProcess
-from engine.errors import ModelLoadError, ValidationError
+from engine.errors import EngineOverloaded, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
 from engine.prompts import PromptEncoder
 from engine.request_stream import RequestStream, StreamOverflow

@@ -133,8 +133,9 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "engine",
         "grammar_compile_timeout",
-        "structured output: seconds a constraint (JSON schema, regex, grammar) may take to "
-        "compile before the request is refused",
+        "structured output: seconds a constraint's grammar (JSON schema, regex, grammar) may "
+        "take to build before the request is refused, and may wait for a compile thread "
+        "before it is told to retry",
     ),
     _setting(
         "engine",

@@ -6,28 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.constraints import MAX_CHOICES, Constraint
-from engine.errors import ValidationError
+from engine.errors import EngineOverloaded, ValidationError
 from engine.grammar import GrammarCompiler, start_filling
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from tests.json_schemas import slow_schema
 
-# A schema llguidance takes ~0.1 s to build a grammar of on one CPU core.
-SLOW_SCHEMA = json.dumps(
-    {
-        "type": "object",
-        "properties": {
-            f"p{i}": {"type": "string", "pattern": "^([a-z]{2,9}-){1,5}[0-9]{1,8}(x|y|z){2,30}$"}
-            for i in range(2000)
-        },
-        "required": [f"p{i}" for i in range(2000)],
-    }
-)
+SLOW_SCHEMA = slow_schema(2000)  # ~0.2 s to build on one CPU core
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +77,36 @@ def test_what_the_compiler_refuses_names_the_field_and_says_why_in_one_line(
 
 
 def test_a_compile_past_the_time_limit_is_refused_with_its_own_error(tokenizer) -> None:
-    slow = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, 0.01)
-    with pytest.raises(ValidationError, match="did not compile within 0.01 s") as caught:
+    slow = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, 0.03)
+    with pytest.raises(ValidationError, match="did not compile within 0.03 s") as caught:
         slow.compile(Constraint("json_schema", SLOW_SCHEMA, field="response_format"))
     assert caught.value.field == "response_format"
+
+
+def test_a_constraint_that_gets_no_thread_in_time_is_told_to_retry_and_is_never_built(
+    tokenizer,
+) -> None:
+    """The time limit is the build's own: a constraint queued behind another's build is
+    refused as the server's fault (retry later), not its own, and is not built afterwards."""
+    compiler = GrammarCompiler(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, time_limit=0.05, threads=1
+    )
+    slow = compiler.start(Constraint("json_schema", SLOW_SCHEMA, field="response_format"))
+    queued = compiler.start(Constraint("regex", "[0-9]+", field="regex"))
+    with pytest.raises(EngineOverloaded, match="^regex: no grammar compile thread was free"):
+        queued.matcher(wait=True)
+    with pytest.raises(ValidationError, match="did not compile within 0.05 s"):
+        slow.matcher(wait=True)
+    futures.wait([slow.future])  # the slow build runs on, unread, to its end
+    assert queued.future.cancelled()
+    assert (compiler.stats().builds, compiler.stats().cache_hits) == (1, 0)
+    # The thread is free again: the same regex compiles, then comes from the cache.
+    compiler.compile(Constraint("regex", "[0-9]+", field="regex"))
+    compiler.compile(Constraint("regex", "[0-9]+", field="regex"))
+    stats = compiler.stats()
+    assert (stats.builds, stats.cache_hits) == (2, 1)
+    assert list(stats.builds_within) == sorted(stats.builds_within) and stats.builds_within[-1] <= 2
+    assert stats.build_seconds > 0.05  # the slow build ran past its limit, then to its end
 
 
 def test_a_choice_mask_keeps_the_text_a_prefix_of_a_choice_then_allows_only_eos(

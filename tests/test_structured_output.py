@@ -15,6 +15,7 @@ import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, Field
 
 from engine.constraints import Constraint
@@ -23,6 +24,8 @@ from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import ServerConfig
+from tests.json_schemas import slow_schema
+from tests.server_process import scrape_metrics
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
 
@@ -241,6 +244,79 @@ async def test_bad_constraints_are_invalid_argument_naming_the_field(doors, fiel
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith(f"{name}:"), caught.value.details()
     await kv_back_to_zero(engine)
+
+
+async def test_schemas_that_build_past_their_limit_hold_only_the_compile_threads(
+    tiny_model,
+) -> None:
+    """Two schemas whose grammars build for seconds, past a 0.3 s limit, take both compile
+    threads. Each is refused at its limit, naming its field. While they build on: a free
+    request runs to its end and health answers; a constraint that finds no thread free in
+    its time is told to retry (RESOURCE_EXHAUSTED / 429), not that it is too slow; a caller
+    who leaves while its constraint waits for a thread costs no build. Once the builds end,
+    constraints compile again."""
+    config = ServerConfig(grpc_port=0, http_port=0)
+    limit = dict(grammar_compile_timeout=0.3, num_blocks=2048)
+    async with serving(tiny_model, config, **limit) as (srv, core, engine):
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.http_port}")
+        try:
+            slow = [greedy_grpc(text="x", json_schema=slow_schema(8000, n)) for n in "ab"]
+            refused = await asyncio.gather(*map(stub.Generate, slow), return_exceptions=True)
+            for error in refused:
+                assert isinstance(error, grpc.aio.AioRpcError), error
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert error.details() == "json_schema: did not compile within 0.3 s; simplify it"
+
+            # The builds go on (each takes seconds); the engine and the event loop too.
+            free = await stub.Generate(greedy_grpc(text="free", max_tokens=16))
+            assert len(free.candidates[0].token_ids) == 16
+            health = health_pb2_grpc.HealthStub(channel)
+            status = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+            busy = "no grammar compile thread was free for 0.3 s"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(greedy_grpc(text="x", regex="[0-9]+"))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry-after-ms" in dict(caught.value.trailing_metadata())
+            assert (
+                caught.value.details()
+                == f"regex: {busy} (other constraints' builds hold them); retry later"
+            )
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+            answer = await http.post(
+                "/v1/completions", json={**body, "structured_outputs": {"regex": "[0-9]+"}}
+            )
+            assert answer.status_code == 429 and "Retry-After" in answer.headers, answer.text
+            assert busy in answer.json()["error"]["message"]
+            # Gone before a thread is free: had its build been left queued, it would run
+            # when one is (a cache hit, the schema being the first one's).
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(slow[0], timeout=0.1)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            for _ in range(300):  # until the slow builds end and free their threads
+                try:
+                    fine = await stub.Generate(greedy_grpc(text="x", regex="[0-9]+", max_tokens=4))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            else:
+                pytest.fail("the compile threads were never free again")
+            assert fine.candidates[0].text.isdigit()
+            metrics = await asyncio.to_thread(
+                scrape_metrics, f"http://127.0.0.1:{srv.http_port}/metrics"
+            )
+            assert metrics["pagedserve_grammar_build_seconds_count"] == 3  # a, b, the regex
+            assert metrics["pagedserve_grammar_cache_hits_total"] == 0
+            gone = 'pagedserve_requests_aborted_total{door="grpc_unary",stage="compiling"}'
+            assert metrics[gone] == 1
+        finally:
+            await http.aclose()
+            await channel.close()
+    assert core.block_manager.num_used_blocks == 0
 
 
 async def test_a_forced_call_streams_deltas_that_add_up_to_the_unary_call(doors) -> None:

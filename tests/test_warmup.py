@@ -141,6 +141,7 @@ def test_warm_up_runs_every_path_traffic_can_take(tiny_qwen3):
     assert any(s["banned"] for s in steps), "no min_tokens ban"
     assert any(s["prompt_logprobs"] for s in steps)
     assert any(p.n > 1 for p in params) and any(s["sibling_hit"] for s in steps), "no n > 1"
+    assert any(p.constraint is not None for p in params), "no token mask (structured output)"
     # A step whose rows all take the one-pass sampler (no penalty, ban or filter).
     assert any(
         s["params"] and all(not (p.uses_penalties or p.top_k > 0) for p in s["params"])
