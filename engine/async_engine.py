@@ -96,11 +96,18 @@ def run_engine_loop(
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
     compiling: dict[int, tuple[Submit, PendingGrammar]] = {}  # by ticket
 
+    # The grammar counts last reported: a build ends on a thread of its own, maybe after its
+    # caller heard, so an idle loop reports when they change.
+    reported_grammar = None
+
     def report(admissions: list[tuple[int, EngineError | None]], events: list) -> None:
+        nonlocal reported_grammar
         finished = {e.request_id for e in events if e.request_id not in engine.requests}
         for request_id in finished:
             tickets.pop(request_id, None)
-        deliver(LoopOutput(admissions, events, finished, engine.stats()))
+        stats = engine.stats()
+        reported_grammar = stats.grammar
+        deliver(LoopOutput(admissions, events, finished, stats))
 
     while True:
         items = take(not engine.has_unfinished_requests and not compiling)
@@ -132,7 +139,7 @@ def run_engine_loop(
                 admissions.append((ticket, _admit(engine, submit, tickets, grammar)))
         # Reported before the step: a refused submit hears at once, and admitted
         # requests count as waiting while the step runs.
-        if items or admissions:
+        if items or admissions or engine.grammars.stats() is not reported_grammar:
             report(admissions, events)
         if engine.has_unfinished_requests:
             report([], engine.step())
