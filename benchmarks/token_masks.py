@@ -21,8 +21,9 @@ candidates, each answering an array of 8 documents of one of tests/json_schemas.
 schemas in turn, go --walk-steps steps, each picking a seeded random token among those its
 mask allows (a new answer where one ends). Per step: all rows filled one at a time, and on
 llguidance's threads as the engine fills them (each on copies of the same matchers, filled
-for the first time), the slowest row, and the share of rows (and of the one-at-a-time
-time) over 100 us.
+for the first time), the slowest row, the share of rows (and of the one-at-a-time time)
+over 100 us, and the share of rows whose mask allows a single token (the grammar forces
+it: a forward is not needed to choose it).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ def walk(compiler: GrammarCompiler, vocab_size: int, rows: int, steps: int) -> d
     one, parallel = (np.empty((rows, words), dtype=np.int32) for _ in range(2))
     per_step: dict[str, list[float]] = {"one": [], "parallel": [], "slowest": []}
     row_times: list[float] = []
+    forced = 0  # rows whose mask allows one token only: no forward needed to choose it
     for step in range(steps):
         # A grammar's copies share what its lexer learns: the way that fills a state first
         # pays for it, so the two ways take turns going first.
@@ -153,6 +155,7 @@ def walk(compiler: GrammarCompiler, vocab_size: int, rows: int, steps: int) -> d
         per_step["slowest"].append(max(times))
         row_times += times
         bits = np.unpackbits(one.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        forced += int((bits.sum(axis=1) == 1).sum())
         for row, matcher in enumerate(matchers):
             token = int(rng.choice(np.flatnonzero(bits[row])))
             if not matcher.consume_token(token) or matcher.is_stopped():
@@ -166,6 +169,7 @@ def walk(compiler: GrammarCompiler, vocab_size: int, rows: int, steps: int) -> d
         "slowest_row_ms": round(1e3 * statistics.mean(per_step["slowest"]), 3),
         "rows_over_100us": round(len(slow) / len(row_times), 3),
         "time_in_rows_over_100us": round(sum(slow) / sum(row_times), 3),
+        "rows_with_one_token": round(forced / len(row_times), 3),
     }
 
 
