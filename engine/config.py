@@ -78,6 +78,9 @@ class EngineConfig:
     # Structured output: a constraint not compiled in this many seconds is refused (its
     # compile finishes unread on the compiler's thread).
     grammar_compile_timeout: float = 10.0
+    # Structured output: the tokens a grammar forces (its mask would allow each alone) are
+    # appended without a step each, and computed with the token before them in one chunk.
+    grammar_fast_forward: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

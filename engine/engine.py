@@ -222,9 +222,16 @@ class LLMEngine:
         queued (its masks follow them), and its masks fill on llguidance's threads from
         then on, while this thread queues the forward, makes t's events and schedules and
         plans the next step. Its sampling waits for the next call, right before the next
-        forward."""
-        # A proposer guesses from the tokens on the host: step t's are read first.
-        events = self._collect_in_flight() if self.proposer is not None else []
+        forward. Where a grammar may force the tokens after step t's (grammar_fast_forward),
+        step t is read back and its events made before step t+1 is scheduled: the forced
+        tokens are appended then (_append_forced), and t+1 computes them."""
+        # Where step t+1 builds on step t's tokens, the host reads them first: a proposer
+        # guesses from them, and a grammar appends the tokens it forces after them.
+        in_flight = self._in_flight
+        fast_forward = self.config.grammar_fast_forward
+        masked = in_flight is not None and in_flight.filling is not None
+        reads_first = self.proposer is not None or (masked and fast_forward)
+        events = self._collect_in_flight() if reads_first else []
         launched = self._launch(self.scheduler.schedule(), events)
         events += self._collect_in_flight()
         if launched is not None and not self.config.uses_async_scheduling:
@@ -386,6 +393,33 @@ class LLMEngine:
             if self.proposer is not None and not seq.is_finished and seq.token_mask is None:
                 room = seq.request.max_tokens - seq.num_sampled_tokens - 1
                 seq.proposed = self.proposer.propose(seq, room)[: max(0, room)]
+            if seq.token_mask is not None and not seq.is_finished:
+                events += self._append_forced(seq)
+        return events
+
+    def _append_forced(self, seq: Sequence) -> list[CandidateEvent]:
+        """Append the tokens seq's grammar forces next, unsampled: the next step computes
+        them with the token before them, in one chunk, and samples after them. Not where a
+        token of seq is still in flight (it would come first), nor for logprobs (a forced
+        token has none)."""
+        if (
+            not self.config.grammar_fast_forward
+            or seq.num_tokens != len(seq.token_ids)
+            or seq.request.params.logprobs is not None
+        ):
+            return []
+        room = seq.request.max_tokens - seq.num_sampled_tokens
+        events, appended = [], []
+        for token_id in seq.token_mask.forced()[:room]:
+            seq.token_mask.accept(token_id)
+            seq.num_tokens += 1
+            self.num_generated_tokens += 1
+            events.append(self._append_token(seq, token_id, None))
+            appended.append(token_id)
+            if seq.is_finished:  # a stop string, EOS or its length: nothing computes them
+                return events
+        if appended and seq.slot is not None:  # the device's copy (a waiting one has none)
+            self.scheduler.slots.write_tokens(seq.slot, seq.num_tokens - len(appended), appended)
         return events
 
     def _roll_back(self, seq: Sequence, tokens: list[int], proposed: list[int]) -> int:

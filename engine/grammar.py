@@ -216,6 +216,11 @@ class GrammarMask:
     def fill_next(self, bitmask: np.ndarray) -> None:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask[None], 0)
 
+    def forced(self) -> list[int]:
+        # llguidance's fast-forward tokens: empty unless the next token is the only one
+        # allowed, and then each the only one allowed after those before it.
+        return self.matcher.compute_ff_tokens()
+
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):
             log.warning(

@@ -54,6 +54,11 @@ class TokenMask(Protocol):
         """token_id was sampled: advance to the next position."""
         ...
 
+    def forced(self) -> list[int]:
+        """The tokens from here on that the mask would allow alone, one after another (a
+        grammar's fixed text): the engine appends them unsampled, accepting each."""
+        ...
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"

@@ -216,7 +216,7 @@ class _EngineStatsCollector(Collector):
         )
         yield _counter(
             "generation_tokens",
-            "Tokens sampled, every candidate counted.",
+            "Output tokens: sampled, or forced by a grammar; every candidate counted.",
             stats.num_generated_tokens,
         )
         yield _counter(

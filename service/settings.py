@@ -139,6 +139,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _setting(
         "engine",
+        "grammar_fast_forward",
+        "structured output: append the tokens a grammar forces without a step each (the "
+        "next step computes them in one chunk); off: every token takes a step",
+    ),
+    _setting(
+        "engine",
         "kernel_cache_dir",
         "where Triton (<dir>/triton) and flashinfer (<dir>/.cache/flashinfer) keep the "
         "kernels they build; fill it with `pagedserve warmup` and serve with the same "

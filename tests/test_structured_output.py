@@ -487,3 +487,48 @@ def test_the_step_ahead_pipeline_changes_no_token_of_a_mixed_batch(tiny_model) -
     assert ahead.engine.scheduler.num_preemptions > 0
     for have, expected in zip(got, want, strict=True):
         assert [c.token_ids for c in have.outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_tokens_a_grammar_forces_are_appended_without_a_step_each_and_change_no_token(
+    tiny_model,
+) -> None:
+    """A schema of long fixed keys forces most of its text. Each run of forced tokens is
+    appended unsampled and computed in one chunk with the token before it, so an answer
+    takes far fewer steps than it has tokens, and the tokens are those of an engine that
+    gives every token a step (greedy and seeded sampling with n = 2, with and without the
+    step-ahead pipeline). A request for logprobs samples every token: a forced one would
+    have none."""
+    keys = ["the_first_rather_long_property_name", "a_second_even_longer_property_name"]
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {
+        "type": "object",
+        "properties": dict.fromkeys(keys, digit),
+        "required": keys,
+        "additionalProperties": False,
+    }
+    constraint = Constraint("json_schema", json.dumps(schema))
+    greedy = SamplingParams(temperature=0.0, max_tokens=200, constraint=constraint)
+    sampled = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=200, constraint=constraint)
+
+    def answers(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+        outputs = llm.generate(["a b", "c d e"], params)
+        return [[list(c.token_ids) for c in output.outputs] for output in outputs]
+
+    each = LLM(str(tiny_model), num_blocks=512, block_size=4, grammar_fast_forward=False)
+    want = [answers(each, greedy), answers(each, sampled)]
+    for async_scheduling in (False, True):
+        llm = LLM(str(tiny_model), num_blocks=512, block_size=4, async_scheduling=async_scheduling)
+        assert [answers(llm, greedy), answers(llm, sampled)] == want
+
+        steps = llm.engine.num_steps
+        alone = llm.generate(["a b"], greedy)[0].outputs[0]
+        jsonschema.validate(json.loads(alone.text), schema)
+        taken = llm.engine.num_steps - steps
+        assert taken <= len(alone.token_ids) / 2, (taken, len(alone.token_ids))
+
+        steps = llm.engine.num_steps
+        asked = dataclasses.replace(greedy, logprobs=0)
+        logged = llm.generate(["a b"], asked)[0].outputs[0]
+        assert logged.token_ids == alone.token_ids
+        assert llm.engine.num_steps - steps == len(logged.token_ids)  # the prompt's samples one
+        assert len(logged.logprobs) == len(logged.token_ids)
