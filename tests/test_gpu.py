@@ -663,3 +663,40 @@ def test_constrained_greedy_tokens_on_the_gpu_are_the_cpu_ones(model_dir):
         else:
             assert a.token_ids == b.token_ids
     assert compared >= total / 2, f"only {compared} of {total} tokens before near-ties"
+
+
+def test_tokens_a_grammar_forces_take_no_step_on_the_gpu(model_dir):
+    """On the device (CUDA graphs, async scheduling) the runs of tokens a schema of long
+    fixed keys forces are appended unsampled: the documents take fewer than half as many
+    steps as they have tokens, and their tokens are those of the same engine giving every
+    token a step, up to where the two first part (a near-tie of the two ways to compute)."""
+    keys = ["the_first_rather_long_property_name", "a_second_even_longer_property_name"]
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {
+        "type": "object",
+        "properties": dict.fromkeys(keys, digit),
+        "required": keys,
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=200, temperature=0.0, constraint=Constraint("json_schema", json.dumps(schema))
+    )
+    prompts = random_prompts(6, seed=22, lo=5, hi=40)
+    each = gpu_llm(model_dir, dtype="float32", grammar_fast_forward=False)
+    want = each.generate(prompts, params)
+    del each
+    llm = gpu_llm(model_dir, dtype="float32")
+    assert llm.engine.config.uses_async_scheduling and llm.engine.runner.graphs is not None
+    steps = llm.engine.num_steps
+    got = llm.generate(prompts, params)
+    taken = llm.engine.num_steps - steps  # the six run side by side
+    longest = max(len(g.outputs[0].token_ids) for g in got)
+    assert taken <= longest / 2, (taken, longest)
+    total = sum(len(g.outputs[0].token_ids) for g in got)
+    compared = 0
+    for g, w in zip(got, want, strict=True):
+        a, b = g.outputs[0], w.outputs[0]
+        assert set(json.loads(a.text)) == set(keys) and a.finish_reason is FinishReason.EOS
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        compared += len(a.token_ids) if same is None else same
+    assert compared >= total / 2, f"only {compared} of {total} tokens before the runs part"
