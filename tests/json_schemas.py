@@ -267,3 +267,14 @@ def slow_schema(properties: int, name: str = "p") -> str:
     another schema."""
     strings = {f"{name}{i}": {"type": "string"} for i in range(properties)}
     return json.dumps({"type": "object", "properties": strings}, separators=(",", ":"))
+
+
+# Two long required keys and a digit each: most of a document is text the schema fixes,
+# tokens a grammar forces one after another.
+FIXED_KEYS = ["the_first_rather_long_property_name", "a_second_even_longer_property_name"]
+FIXED_KEYS_SCHEMA = {
+    "type": "object",
+    "properties": dict.fromkeys(FIXED_KEYS, {"type": "integer", "minimum": 0, "maximum": 9}),
+    "required": FIXED_KEYS,
+    "additionalProperties": False,
+}

@@ -36,6 +36,7 @@ from engine.outputs import FinishReason, RequestOutput, RequestOutputBuilder
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.transfer import upload
+from tests.json_schemas import FIXED_KEYS, FIXED_KEYS_SCHEMA
 from tests.sampling import sampling_tensors
 from tests.test_kernels import (
     ROTARY_POOL_DTYPES,
@@ -670,14 +671,7 @@ def test_tokens_a_grammar_forces_take_no_step_on_the_gpu(model_dir):
     fixed keys forces are appended unsampled: the documents take fewer than half as many
     steps as they have tokens, and their tokens are those of the same engine giving every
     token a step, up to where the two first part (a near-tie of the two ways to compute)."""
-    keys = ["the_first_rather_long_property_name", "a_second_even_longer_property_name"]
-    digit = {"type": "integer", "minimum": 0, "maximum": 9}
-    schema = {
-        "type": "object",
-        "properties": dict.fromkeys(keys, digit),
-        "required": keys,
-        "additionalProperties": False,
-    }
+    keys, schema = FIXED_KEYS, FIXED_KEYS_SCHEMA
     params = SamplingParams(
         max_tokens=200, temperature=0.0, constraint=Constraint("json_schema", json.dumps(schema))
     )

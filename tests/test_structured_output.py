@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import ServerConfig
-from tests.json_schemas import slow_schema
+from tests.json_schemas import FIXED_KEYS_SCHEMA, slow_schema
 from tests.server_process import scrape_metrics
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
@@ -498,14 +498,7 @@ def test_tokens_a_grammar_forces_are_appended_without_a_step_each_and_change_no_
     gives every token a step (greedy and seeded sampling with n = 2, with and without the
     step-ahead pipeline). A request for logprobs samples every token: a forced one would
     have none."""
-    keys = ["the_first_rather_long_property_name", "a_second_even_longer_property_name"]
-    digit = {"type": "integer", "minimum": 0, "maximum": 9}
-    schema = {
-        "type": "object",
-        "properties": dict.fromkeys(keys, digit),
-        "required": keys,
-        "additionalProperties": False,
-    }
+    schema = FIXED_KEYS_SCHEMA
     constraint = Constraint("json_schema", json.dumps(schema))
     greedy = SamplingParams(temperature=0.0, max_tokens=200, constraint=constraint)
     sampled = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=200, constraint=constraint)
