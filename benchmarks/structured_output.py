@@ -80,7 +80,7 @@ def timed_runs(llm: LLM, prompts: list[str], params: list[SamplingParams], repea
     llm.generate(prompts[:4], params[:4])  # warm-up (kernels, the first compiles)
     runs = []
     for _ in range(repeats):
-        steps = llm.engine.num_steps
+        steps, forced = llm.engine.num_steps, getattr(llm.engine, "num_forced_tokens", 0)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
@@ -90,6 +90,7 @@ def timed_runs(llm: LLM, prompts: list[str], params: list[SamplingParams], repea
                 "seconds": round(elapsed, 3),
                 "output_tokens": produced,
                 "steps": llm.engine.num_steps - steps,
+                "forced_tokens": getattr(llm.engine, "num_forced_tokens", 0) - forced,
                 "outputs": outputs,
             }
         )
@@ -235,7 +236,8 @@ def main() -> None:
     }
     print(
         f"{args.requests} requests, {with_schema['output_tokens']} output tokens: "
-        f"json_schema {tok_s['json_schema']:,.0f} tok/s in {with_schema['steps']} steps, "
+        f"json_schema {tok_s['json_schema']:,.0f} tok/s in {with_schema['steps']} steps "
+        f"({with_schema['forced_tokens']} tokens forced), "
         f"none {tok_s['none']:,.0f} tok/s in {without['steps']} steps, "
         f"overhead {100 * overhead:.1f}%; compile p50 {compiled['p50_ms']} ms, "
         f"p99 {compiled['p99_ms']} ms"

@@ -189,6 +189,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.num_forced_tokens = 0
         self.aborts: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def stats(self) -> EngineStats:
@@ -205,6 +206,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
+            num_forced_tokens=self.num_forced_tokens,
             num_steps=self.num_steps,
             aborts=tuple((door, stage, n) for (door, stage), n in sorted(self.aborts.items())),
             grammar=self.grammars.stats(),
@@ -414,6 +416,7 @@ class LLMEngine:
             seq.token_mask.accept(token_id)
             seq.num_tokens += 1
             self.num_generated_tokens += 1
+            self.num_forced_tokens += 1
             events.append(self._append_token(seq, token_id, None))
             appended.append(token_id)
             if seq.is_finished:  # a stop string, EOS or its length: nothing computes them

@@ -71,6 +71,7 @@ class EngineStats:
     num_preemptions: int  # cumulative
     num_prompt_tokens_computed: int  # cumulative: prompt positions run through the model
     num_generated_tokens: int  # cumulative: output tokens (sampled or forced), every candidate
+    num_forced_tokens: int  # cumulative: of those, appended unsampled (a grammar forced them)
     num_steps: int  # cumulative: model steps run
     # cumulative: requests aborted, as (door, stage, count); door says who asked (the front
     # door a caller left by, or cancel_rpc), stage where the request was (Request.stage,

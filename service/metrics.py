@@ -220,6 +220,11 @@ class _EngineStatsCollector(Collector):
             stats.num_generated_tokens,
         )
         yield _counter(
+            "grammar_forced_tokens",
+            "Output tokens a grammar forced, appended without a step of their own.",
+            stats.num_forced_tokens,
+        )
+        yield _counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             stats.prefix_cache_queried_tokens,

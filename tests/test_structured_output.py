@@ -513,15 +513,18 @@ def test_tokens_a_grammar_forces_are_appended_without_a_step_each_and_change_no_
         llm = LLM(str(tiny_model), num_blocks=512, block_size=4, async_scheduling=async_scheduling)
         assert [answers(llm, greedy), answers(llm, sampled)] == want
 
-        steps = llm.engine.num_steps
+        steps, forced = llm.engine.num_steps, llm.engine.num_forced_tokens
         alone = llm.generate(["a b"], greedy)[0].outputs[0]
         jsonschema.validate(json.loads(alone.text), schema)
         taken = llm.engine.num_steps - steps
         assert taken <= len(alone.token_ids) / 2, (taken, len(alone.token_ids))
+        # Each step sampled one token of it; the rest were forced.
+        assert llm.engine.num_forced_tokens - forced == len(alone.token_ids) - taken
 
         steps = llm.engine.num_steps
         asked = dataclasses.replace(greedy, logprobs=0)
         logged = llm.generate(["a b"], asked)[0].outputs[0]
         assert logged.token_ids == alone.token_ids
         assert llm.engine.num_steps - steps == len(logged.token_ids)  # the prompt's samples one
+        assert llm.engine.num_forced_tokens == forced + len(alone.token_ids) - taken
         assert len(logged.logprobs) == len(logged.token_ids)

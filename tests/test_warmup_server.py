@@ -84,7 +84,8 @@ def test_the_first_request_after_ready_is_as_quick_as_a_repeat(fresh_server):
     # At readiness: the warm-up ran, and nothing of it is counted or held.
     metrics = fresh_server.metrics()
     assert 0 < metrics["pagedserve_time_to_ready_seconds"] <= seen_ready
-    for name in ("engine_steps", "prompt_tokens", "generation_tokens", "prefix_cache_queries"):
+    counted = ("engine_steps", "prompt_tokens", "generation_tokens", "grammar_forced_tokens")
+    for name in (*counted, "prefix_cache_queries"):
         assert metrics[f"pagedserve_{name}_total"] == 0, name
     assert metrics["pagedserve_kv_cache_blocks_used"] == 0
     log = fresh_server.stderr()
