@@ -75,8 +75,9 @@ class EngineConfig:
     # <dir>/.cache/flashinfer), so a kernel built once (`pagedserve warmup`) is loaded, not
     # compiled, by every later start. None: their own defaults under the home directory.
     kernel_cache_dir: str | None = None
-    # Structured output: a constraint not compiled in this many seconds is refused (its
-    # compile finishes unread on the compiler's thread).
+    # Structured output: a constraint whose grammar builds for longer than this many
+    # seconds is refused (the build finishes unread on the compiler's thread); one that
+    # waits as long for a compile thread is told to retry.
     grammar_compile_timeout: float = 10.0
     # Structured output: the tokens a grammar forces (its mask would allow each alone) are
     # appended without a step each, and computed with the token before them in one chunk.

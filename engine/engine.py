@@ -388,7 +388,6 @@ class LLMEngine:
                 continue
             kept = self._roll_back(seq, tokens, proposed) if proposed else 1
             for token_id, logprob in zip(tokens[:kept], logprobs):
-                self.num_generated_tokens += 1
                 events.append(self._append_token(seq, token_id, logprob))
                 if seq.is_finished:
                     break
@@ -415,7 +414,6 @@ class LLMEngine:
         for token_id in seq.token_mask.forced()[:room]:
             seq.token_mask.accept(token_id)
             seq.num_tokens += 1
-            self.num_generated_tokens += 1
             self.num_forced_tokens += 1
             events.append(self._append_token(seq, token_id, None))
             appended.append(token_id)
@@ -444,6 +442,7 @@ class LLMEngine:
     ) -> CandidateEvent:
         request = seq.request
         seq.token_ids.append(token_id)
+        self.num_generated_tokens += 1
         if request.timing.first_token is None:
             request.timing.first_token = time.monotonic()
 
