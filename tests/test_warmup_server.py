@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,23 +17,40 @@ from pagedserve.v1 import inference_pb2_grpc
 from tests.server_process import ServerProcess, start_server_process
 from tests.tiny_models import write_tiny_model
 
-# The first request may take at most this many times the TTFT of the same request again.
-MAX_FIRST_TTFT_RATIO = 3.0
+# On this tiny model a CPU server without its warm-up takes 2.9-5.7x as long to the first
+# token of its first request as of the same request again; with it, 1.3-1.6x. A cold
+# first call costs there about what one scheduler hiccup does on a busy two-core machine,
+# so each server's first request is one noisy sample: the test takes the median of the
+# ratios over several fresh servers.
+MAX_FIRST_TTFT_RATIO = 2.2  # the server's own TTFT, first request over the repeats'
+MAX_FIRST_CLIENT_TTFT_RATIO = 3.0  # the caller's: it adds its own first call's costs
+FRESH_SERVERS = 5
 REPEATS = 5  # the warm TTFT is the median of this many sends
 
 
 @pytest.fixture
-def fresh_server(tmp_path) -> ServerProcess:
-    model = write_tiny_model(tmp_path / "tiny", "qwen3", max_position_embeddings=1024)
+def tiny_model(tmp_path) -> Path:
+    return write_tiny_model(tmp_path / "tiny", "qwen3", max_position_embeddings=1024)
+
+
+@pytest.fixture
+def fresh_servers(tiny_model) -> Iterator[list[ServerProcess]]:
+    """Fresh `pagedserve serve` processes started one at a time (the list grows as the
+    test starts them with start_fresh); each is killed at the end."""
+    servers: list[ServerProcess] = []
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def start_fresh(model: Path, servers: list[ServerProcess]) -> ServerProcess:
     started = time.monotonic()
     server = start_server_process(
         model, "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--log-level", "INFO"
     )
     server.started = started  # when the test started it: time to ready cannot exceed ours
-    try:
-        yield server
-    finally:
-        server.stop()
+    servers.append(server)
+    return server
 
 
 def first_request_shape() -> pb.GenerateRequest:
@@ -78,31 +97,47 @@ def timed_stream(stub, request: pb.GenerateRequest) -> tuple[float, float]:
     return client_ttft, server_ttft
 
 
-def test_the_first_request_after_ready_is_as_quick_as_a_repeat(fresh_server):
-    fresh_server.wait_ready(timeout=300)
-    seen_ready = time.monotonic() - fresh_server.started
-    # At readiness: the warm-up ran, and nothing of it is counted or held.
-    metrics = fresh_server.metrics()
+def assert_ready_state_is_fresh(server: ServerProcess) -> None:
+    """At readiness: the warm-up ran, and nothing of it is counted or held."""
+    seen_ready = time.monotonic() - server.started
+    metrics = server.metrics()
     assert 0 < metrics["pagedserve_time_to_ready_seconds"] <= seen_ready
     counted = ("engine_steps", "prompt_tokens", "generation_tokens", "grammar_forced_tokens")
     for name in (*counted, "prefix_cache_queries"):
         assert metrics[f"pagedserve_{name}_total"] == 0, name
     assert metrics["pagedserve_kv_cache_blocks_used"] == 0
-    log = fresh_server.stderr()
+    log = server.stderr()
     for phase in ("model loaded in", "KV pool sized", "warm-up:", "ready"):
         assert phase in log, f"start-up log lacks {phase!r}:\n{log}"
+
+
+def first_and_repeat_ttft(server: ServerProcess) -> tuple[float, float]:
+    """(client, server) TTFT of the first request over the median of its repeats'."""
     request = first_request_shape()
-    with grpc.insecure_channel(fresh_server.target) as channel:
+    with grpc.insecure_channel(server.target) as channel:
         grpc.channel_ready_future(channel).result(timeout=10)
         stub = inference_pb2_grpc.InferenceStub(channel)
         first_client, first_server = timed_stream(stub, request)
         again = [timed_stream(stub, request) for _ in range(REPEATS)]
     warm_client = statistics.median(c for c, _ in again)
     warm_server = statistics.median(s for _, s in again)
-    report = (
+    print(
         f"first TTFT {first_client * 1e3:.1f} ms (server {first_server * 1e3:.1f} ms), "
         f"repeat median {warm_client * 1e3:.1f} ms (server {warm_server * 1e3:.1f} ms)"
     )
-    print(report)
-    assert first_client <= MAX_FIRST_TTFT_RATIO * warm_client, report
-    assert first_server <= MAX_FIRST_TTFT_RATIO * warm_server, report
+    return first_client / warm_client, first_server / warm_server
+
+
+def test_the_first_request_after_ready_is_as_quick_as_a_repeat(tiny_model, fresh_servers):
+    client_ratios, server_ratios = [], []
+    for _ in range(FRESH_SERVERS):
+        server = start_fresh(tiny_model, fresh_servers)
+        server.wait_ready(timeout=300)
+        assert_ready_state_is_fresh(server)
+        client_ratio, server_ratio = first_and_repeat_ttft(server)
+        client_ratios.append(client_ratio)
+        server_ratios.append(server_ratio)
+        server.stop()
+    report = f"first/repeat TTFT per server: client {client_ratios}, server {server_ratios}"
+    assert statistics.median(server_ratios) <= MAX_FIRST_TTFT_RATIO, report
+    assert statistics.median(client_ratios) <= MAX_FIRST_CLIENT_TTFT_RATIO, report
