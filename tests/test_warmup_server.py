@@ -135,8 +135,8 @@ def test_the_first_request_after_ready_is_as_quick_as_a_repeat(tiny_model, fresh
         server.wait_ready(timeout=300)
         assert_ready_state_is_fresh(server)
         client_ratio, server_ratio = first_and_repeat_ttft(server)
-        client_ratios.append(client_ratio)
-        server_ratios.append(server_ratio)
+        client_ratios.append(round(client_ratio, 2))
+        server_ratios.append(round(server_ratio, 2))
         server.stop()
     report = f"first/repeat TTFT per server: client {client_ratios}, server {server_ratios}"
     assert statistics.median(server_ratios) <= MAX_FIRST_TTFT_RATIO, report
