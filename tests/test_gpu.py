@@ -694,10 +694,10 @@ def test_tokens_a_grammar_forces_take_no_step_on_the_gpu(model_dir):
         max_tokens=200, temperature=0.0, constraint=Constraint("json_schema", json.dumps(schema))
     )
     prompts = random_prompts(6, seed=22, lo=5, hi=40)
-    each = gpu_llm(model_dir, dtype="float32", grammar_fast_forward=False)
+    each = gpu_llm(model_dir, dtype="float16", grammar_fast_forward=False)
     want = each.generate(prompts, params)
     del each
-    llm = gpu_llm(model_dir, dtype="float32")
+    llm = gpu_llm(model_dir, dtype="float16")
     assert llm.engine.config.uses_async_scheduling and llm.engine.runner.graphs is not None
     steps = llm.engine.num_steps
     got = llm.generate(prompts, params)
