@@ -92,6 +92,9 @@ class EngineConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValidationError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype == "float32" and self.torch_device.type == "cuda":
+            # flashinfer's attention kernels are built for 16-bit activations only
+            raise ValidationError("dtype", "float32 is not served on CUDA; use bfloat16 or float16")
         if self.kernel_cache_dir is not None and not self.kernel_cache_dir.strip():
             raise ValidationError("kernel_cache_dir", "must not be empty")
         if not 0 < self.grammar_compile_timeout < float("inf"):

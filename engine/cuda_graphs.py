@@ -4,7 +4,8 @@ A decode step launches hundreds of small kernels, and on a slow host their launc
 not the GPU, sets the pace. So once the KV pool exists, the whole model forward is
 captured for each bucket size (largest first, every graph in one shared memory pool) over
 static buffers (GraphBuffers). A step of n decodes is padded to the smallest bucket
-b >= n (batch_size_for; the runner pads), its slots and positions are copied into the
+b >= n (batch_size_for; the runner pads: a sequence computing a few tokens is that many
+rows, each a decode of its own position), its slots and positions are copied into the
 first b columns of the static buffer, attention is planned for b sequences (host code:
 it runs before the replay, outside the graph, and copies the step's lengths and KV split
 into the buffers the captured decode kernels read) and the graph replays. Inside the
@@ -13,7 +14,7 @@ decode kernels read block ids from its block table.
 
 Rows n..b are padding: the padding slot of the persistent batch (token 0, KV written
 nowhere, attending to one token of block 0); their outputs are dropped. Steps with a
-prefill, or more decodes than the largest bucket, run eagerly (runner.py).
+longer piece of a prompt, or more rows than the largest bucket, run eagerly (runner.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The runner owns what lives on the device, the KV pool (layout: engine/attention/base.py)
 and the persistent batch's tables (engine/batch.py), and knows nothing of requests.
 forward() uploads a StepPlan's arrays in one asynchronous copy, applies its changes to the
-tables, and replays a CUDA graph (a pure-decode step) or runs the model eagerly; sample()
+tables, and replays a CUDA graph (a decode step) or runs the model eagerly; sample()
 queues the sampler (under token masks, when given, filled meanwhile), which writes its
 tokens into the token table: the next step can be queued before they reach the host.
 collect() reads them back, a step's one host sync.
@@ -23,6 +23,13 @@ from engine.model.config import ModelConfig
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRows, prompt_logprobs
 from engine.transfer import upload
+
+# A sequence computing a few tokens in one step (those a grammar forced, a proposer's
+# guesses, a short prompt) runs in a CUDA graph as that many decode rows, each attending to
+# its own prefix. Each row reads the sequence's KV again, where an eager step's prefill
+# kernel reads it once: so at most this many rows, reading at most this many KV tokens.
+MAX_GRAPH_ROWS_PER_SEQ = 16
+MAX_GRAPH_ROWS_KV_READS = 65536
 
 
 @dataclass
@@ -121,6 +128,7 @@ class ModelRunner:
         self.batch = DeviceBatch(num_slots, self.token_width, self.block_width, device)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None  # set by start-up, where graphs are used
+        self.num_graph_steps = 0  # forwards that replayed a graph
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -128,6 +136,7 @@ class ModelRunner:
         """Queue a step's model forward on the device; sample() queues the rest."""
         graph = self._replayable(plan)
         rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
+        self.num_graph_steps += graph
         history = self._penalty_history(plan, rows)
         targets = rows.sample_slots * self.token_width + rows.sample_ends
         host = [*plan.changes, targets, *rows.uploads, *history, *plan.sampling.arrays()]
@@ -138,7 +147,10 @@ class ModelRunner:
         num_samples = len(targets)
         if graph:  # the graph reads its inputs from the tables itself
             hidden = self.graphs.run(token_inputs, rows.slots, rows.seq_lens)
-            hidden = hidden[:num_samples]  # one sample per sequence, in order: no gather
+            if len(rows.uploads) > 1:  # a sequence ran as several rows: those sampled
+                hidden = hidden[uploaded[6]]
+            else:  # one row per sequence, each sampled, in order: no gather
+                hidden = hidden[:num_samples]
         else:
             query_starts_d, seq_lens_d, logit_rows_d = uploaded[6:9]
             row_slots_d, positions_d = token_inputs
@@ -225,18 +237,31 @@ class ModelRunner:
         return _StepRows(uploads, plan.slots, plan.seq_lens, sample_slots, sample_ends, spans)
 
     def _graph_rows(self, plan: StepPlan) -> _StepRows:
-        """A pure decode step padded to its graph's batch size with rows of the padding
-        slot (position 0, length 1). Built directly: this runs for every decode step, and
-        at batch 1 its host time is the step's."""
-        batch, size = len(plan.slots), self.graphs.batch_size_for(len(plan.slots))
+        """A decode step's rows, one per position it computes, padded to its graph's batch
+        size with rows of the padding slot (position 0, length 1). A row's length ends at
+        its position: the rows of one sequence attend as a causal chunk does. Built
+        directly: this runs for every decode step, and at batch 1 its host time is the
+        step's."""
+        batch, num_rows = len(plan.slots), int(plan.query_lens.sum())
+        size = self.graphs.batch_size_for(num_rows)
         token_inputs = np.zeros((2, size), dtype=np.int64)  # each row's slot and position
         token_inputs[0] = self.batch.padding_slot
-        token_inputs[0, :batch] = plan.slots
-        token_inputs[1, :batch] = plan.seq_lens - 1
         seq_lens = np.ones(size, dtype=np.int32)
-        seq_lens[:batch] = plan.seq_lens
-        slots, sample_slots = token_inputs[0].astype(np.int32), token_inputs[0, :batch]
-        return _StepRows([token_inputs], slots, seq_lens, sample_slots, plan.seq_lens, {})
+        uploads = [token_inputs]
+        if num_rows == batch:  # one row per sequence, the one it samples
+            token_inputs[0, :batch] = plan.slots
+            token_inputs[1, :batch] = plan.seq_lens - 1
+            seq_lens[:batch] = plan.seq_lens
+            sample_slots, sample_ends = token_inputs[0, :batch], plan.seq_lens
+        else:
+            token_inputs[0, :num_rows] = np.repeat(plan.slots, plan.query_lens)
+            token_inputs[1, :num_rows] = _ranges(plan.seq_lens - plan.query_lens, plan.query_lens)
+            seq_lens[:num_rows] = token_inputs[1, :num_rows] + 1
+            sampled = _ranges(np.cumsum(plan.query_lens) - plan.num_samples, plan.num_samples)
+            uploads.append(sampled)
+            sample_slots, sample_ends = token_inputs[0, sampled], seq_lens[sampled]
+        slots = token_inputs[0].astype(np.int32)
+        return _StepRows(uploads, slots, seq_lens, sample_slots, sample_ends, {})
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step and read its results back."""
@@ -268,12 +293,15 @@ class ModelRunner:
         return [rows.sample_slots[penalised], starts, rows.sample_ends[penalised]]
 
     def _replayable(self, plan: StepPlan) -> bool:
-        """A CUDA graph can run the step: pure decode, every sequence sampling its next
-        token (no middle piece of a prefill, no prompt logprobs), and no more rows than the
-        largest graph."""
+        """A CUDA graph can run the step: every sequence sampling, at the end of a few
+        positions (MAX_GRAPH_ROWS_PER_SEQ, MAX_GRAPH_ROWS_KV_READS; no middle piece of a
+        prefill, no prompt logprobs), and no more rows in all than the largest graph."""
+        if self.graphs is None or plan.prompt_logprobs or not (plan.num_samples >= 1).all():
+            return False
+        rows = plan.query_lens
+        several = rows > 1
         return (
-            self.graphs is not None
-            and len(plan.slots) <= self.graphs.max_batch_size
-            and not plan.prompt_logprobs
-            and bool((plan.query_lens == 1).all() and (plan.num_samples == 1).all())
+            int(rows.sum()) <= self.graphs.max_batch_size
+            and bool((rows <= MAX_GRAPH_ROWS_PER_SEQ).all())
+            and bool((rows[several] * plan.seq_lens[several] <= MAX_GRAPH_ROWS_KV_READS).all())
         )

@@ -126,7 +126,11 @@ def _setting(
 SETTINGS: tuple[Setting, ...] = (
     _setting("engine", "model", "HF model dir, .gguf file or alias; unset: the embedded default"),
     _setting("engine", "device", "auto, cpu or cuda[:N]"),
-    _setting("engine", "dtype", "auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16"),
+    _setting(
+        "engine",
+        "dtype",
+        "auto (cpu: float32, cuda: bfloat16), float32 (cpu only), bfloat16, float16",
+    ),
     _setting("engine", "max_model_len", "context length cap; unset: the model's own"),
     _setting("engine", "engine_seed", "seeds the draws of requests that bring no seed"),
     _setting("engine", "enforce_eager", "CUDA: run every step eagerly, no CUDA graphs"),

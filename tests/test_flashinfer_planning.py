@@ -159,6 +159,10 @@ def test_gpu_settings_validate():
         with pytest.raises(ValidationError, match="gpu_memory_utilization"):
             CacheConfig(gpu_memory_utilization=bad)
     assert EngineConfig().enforce_eager is False
+    with pytest.raises(ValidationError, match="float32 is not served on CUDA") as err:
+        EngineConfig(device="cuda:0", dtype="float32")
+    assert err.value.field == "dtype"
+    assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
 
 
 def test_block_size_defaults_by_device():

@@ -33,6 +33,7 @@ from engine.kv.pool import kv_bytes_per_block
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput, RequestOutputBuilder
+from engine.runner import MAX_GRAPH_ROWS_PER_SEQ
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.transfer import upload
@@ -280,6 +281,23 @@ def test_cuda_graph_decode_matches_eager(model_dir, monkeypatch, block_size):
     assert {3, 5, 13} & set(replayed)  # and padded ones
     # Single requests replay the one-sequence graph and agree too.
     assert_greedy_close(llm.generate(prompts[:2], params[:2]), want[:2])
+
+
+def test_a_few_tokens_of_a_sequence_replay_the_decode_graph_one_row_each(model_dir):
+    """Prompts of a few tokens run in the CUDA graph from their first step, each position a
+    decode row attending to its own prefix (as forced tokens and a proposer's guesses do),
+    and decode as the same engine run eagerly does."""
+    prompts = random_prompts(6, seed=23, lo=2, hi=MAX_GRAPH_ROWS_PER_SEQ)
+    params = greedy(8)
+    eager = gpu_llm(model_dir, enforce_eager=True)
+    want = eager.generate(prompts, params)
+    del eager
+    llm = gpu_llm(model_dir)
+    steps, replayed = llm.engine.num_steps, llm.engine.runner.num_graph_steps
+    got = llm.generate(prompts, params)
+    taken = llm.engine.num_steps - steps
+    assert llm.engine.runner.num_graph_steps - replayed == taken  # the prompts' step too
+    assert_greedy_close(got, want)
 
 
 def test_tensor_core_decode_matches_cuda_core(model_dir, monkeypatch):
@@ -676,10 +694,10 @@ def test_tokens_a_grammar_forces_take_no_step_on_the_gpu(model_dir):
         max_tokens=200, temperature=0.0, constraint=Constraint("json_schema", json.dumps(schema))
     )
     prompts = random_prompts(6, seed=22, lo=5, hi=40)
-    each = gpu_llm(model_dir, dtype="float32", grammar_fast_forward=False)
+    each = gpu_llm(model_dir, dtype="float16", grammar_fast_forward=False)
     want = each.generate(prompts, params)
     del each
-    llm = gpu_llm(model_dir, dtype="float32")
+    llm = gpu_llm(model_dir, dtype="float16")
     assert llm.engine.config.uses_async_scheduling and llm.engine.runner.graphs is not None
     steps = llm.engine.num_steps
     got = llm.generate(prompts, params)

@@ -14,7 +14,7 @@ from engine.batch import SlotBook
 from engine.llm import LLM
 from engine.outputs import FinishReason
 from engine.request import Sequence
-from engine.runner import StepPlan
+from engine.runner import MAX_GRAPH_ROWS_KV_READS, MAX_GRAPH_ROWS_PER_SEQ, StepPlan
 from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams
 from tests.invariants import check_invariants
@@ -166,25 +166,41 @@ def test_runner_decodes_from_a_hand_written_plan(tiny_llama):
     assert runner.batch.token_ids[slot, : len(prompt) + 6].tolist() == prompt + want
 
 
+def step_plan(runner, query_lens, seq_lens, num_samples, prompt_logprobs=None) -> StepPlan:
+    """A plan of greedy sequences in slots 3, 0, 5, ... whose prompts are 2 tokens."""
+    slots = np.array([3, 0, 5, 1, 2, 4][: len(query_lens)], dtype=np.int32)
+    rows = sum(num_samples)
+    return StepPlan(
+        slots=slots,
+        query_lens=np.array(query_lens, dtype=np.int32),
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        num_samples=np.array(num_samples, dtype=np.int32),
+        num_prompt_tokens=np.full(len(slots), 2, dtype=np.int32),
+        sampling=SamplingRows.build(
+            [SamplingParams(**GREEDY)] * rows,
+            [0] * rows,
+            [0] * rows,
+            [[]] * rows,
+            runner.config.vocab_size,
+        ),
+        prompt_logprobs=prompt_logprobs or {},
+        changes=SlotBook(6, runner.token_width, runner.block_width).take_changes(),
+    )
+
+
+def graph_sizes(runner, size: int = 8, largest: int = 8) -> None:
+    """Graph sizing alone (batch_size_for, max_batch_size): what the row builders read."""
+    sizes = {"batch_size_for": lambda self, n: size, "max_batch_size": largest}
+    runner.graphs = type("Sizes", (), sizes)()
+
+
 def test_a_graph_steps_rows_are_the_eager_rows_padded_with_the_padding_slot(tiny_llama):
     """A CUDA graph's decode step builds its rows its own quicker way: the same slots,
     positions and sampled places as the eager rows, then padding rows (the padding slot,
     position 0, length 1) up to the graph's size."""
     runner = make_llm(tiny_llama).engine.runner
-    runner.graphs = type("Sizes", (), {"batch_size_for": lambda self, n: 8})()  # sizing only
-    vocab = runner.config.vocab_size
-    plan = StepPlan(
-        slots=np.array([3, 0, 5], dtype=np.int32),
-        query_lens=np.ones(3, dtype=np.int32),
-        seq_lens=np.array([17, 4, 9], dtype=np.int32),
-        num_samples=np.ones(3, dtype=np.int32),
-        num_prompt_tokens=np.array([10, 2, 9], dtype=np.int32),
-        sampling=SamplingRows.build(
-            [SamplingParams(**GREEDY)] * 3, [0] * 3, [0] * 3, [[]] * 3, vocab
-        ),
-        prompt_logprobs={},
-        changes=SlotBook(6, runner.token_width, runner.block_width).take_changes(),
-    )
+    graph_sizes(runner)
+    plan = step_plan(runner, [1, 1, 1], [17, 4, 9], [1, 1, 1])
     eager, graph = runner._eager_rows(plan), runner._graph_rows(plan)
     padding = runner.batch.padding_slot
     assert graph.uploads[0].tolist() == [[3, 0, 5] + [padding] * 5, [16, 3, 8] + [0] * 5]
@@ -194,6 +210,51 @@ def test_a_graph_steps_rows_are_the_eager_rows_padded_with_the_padding_slot(tiny
     assert np.array_equal(graph.sample_slots, eager.sample_slots)
     assert np.array_equal(graph.sample_ends, eager.sample_ends)
     assert len(eager.uploads[3]) == len(graph.sample_slots) == 3 and not graph.spans
+    assert len(graph.uploads) == 1  # the hidden rows are the samples' own: no gather
+
+
+def test_a_sequence_computing_several_tokens_runs_in_a_graph_as_one_row_each(tiny_llama):
+    """A sequence whose step computes a few positions (forced tokens, a proposer's guesses)
+    replays as that many decode rows, each as long as its own prefix, so each attends as
+    its row of a causal chunk does; the rows read back are the eager step's sampled ones."""
+    runner = make_llm(tiny_llama).engine.runner
+    graph_sizes(runner)
+    # 1 token of slot 3; 3 of slot 0 (forced tokens, one sample); 2 of slot 5, both sampled
+    plan = step_plan(runner, [1, 3, 2], [17, 4, 9], [1, 1, 2])
+    assert runner._replayable(plan)
+    eager, graph = runner._eager_rows(plan), runner._graph_rows(plan)
+    padding = runner.batch.padding_slot
+    assert graph.uploads[0].tolist() == [
+        [3, 0, 0, 0, 5, 5, padding, padding],
+        [16, 1, 2, 3, 7, 8, 0, 0],
+    ]
+    assert np.array_equal(graph.uploads[0][:, :6], eager.uploads[0])
+    assert graph.seq_lens.tolist() == [17, 2, 3, 4, 8, 9, 1, 1]
+    assert graph.uploads[1].tolist() == eager.uploads[3].tolist() == [0, 3, 4, 5]
+    assert np.array_equal(graph.sample_slots, eager.sample_slots)
+    assert np.array_equal(graph.sample_ends, eager.sample_ends)
+
+
+def test_steps_a_graph_cannot_run_run_eagerly(tiny_llama):
+    """Eager: a sequence of more than MAX_GRAPH_ROWS_PER_SEQ positions or whose rows would
+    read more than MAX_GRAPH_ROWS_KV_READS KV tokens, a middle piece of a prefill (nothing
+    sampled), prompt logprobs, more rows than the largest graph."""
+    runner = make_llm(tiny_llama).engine.runner
+    graph_sizes(runner, largest=64)
+    longest = MAX_GRAPH_ROWS_PER_SEQ
+    assert runner._replayable(step_plan(runner, [longest], [longest + 2], [1]))
+    assert not runner._replayable(step_plan(runner, [longest + 1], [longest + 2], [1]))
+    context = MAX_GRAPH_ROWS_KV_READS // 4
+    assert runner._replayable(step_plan(runner, [1, 4], [9, context], [1, 1]))
+    assert not runner._replayable(step_plan(runner, [1, 4], [9, context + 1], [1, 1]))
+    assert runner._replayable(step_plan(runner, [1], [context * 8], [1]))  # one row: no more
+    graph_sizes(runner, largest=8)
+    assert not runner._replayable(step_plan(runner, [1, 4], [9, 6], [1, 0]))
+    assert not runner._replayable(step_plan(runner, [1], [9], [1], prompt_logprobs={0: 1}))
+    assert runner._replayable(step_plan(runner, [4, 4], [9, 9], [1, 1]))
+    assert not runner._replayable(step_plan(runner, [4, 4, 1], [9, 9, 9], [1, 1, 1]))
+    runner.graphs = None
+    assert not runner._replayable(step_plan(runner, [1], [9], [1]))
 
 
 # ---- multi-token steps ----------------------------------------------------------------------

@@ -42,7 +42,7 @@ class AttentionMetadata:
     block_table: torch.Tensor  # int32 [num_slots + 1, max_blocks] on the compute device
     slot_mapping: torch.Tensor  # int64 [T] on the compute device
     block_size: int
-    graph: bool = False  # a pure-decode step replayed in a CUDA graph (padded batch)
+    graph: bool = False  # a decode step replayed in a CUDA graph (padded batch)
 
     @property
     def num_seqs(self) -> int:
@@ -78,7 +78,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    # Whether the backend runs pure-decode steps inside CUDA graphs (prepare_graph first).
+    # Whether the backend runs decode steps inside CUDA graphs (prepare_graph first).
     supports_cuda_graphs: bool
 
     def configure(

@@ -12,7 +12,7 @@ aligns the causal mask bottom-right).
 plan() runs once per step on the host: it turns the step's sequence lengths into
 flashinfer's CSR page tables (page_table below: indptr / last_page_len, and where in the
 persistent block table each page's id is), gathers the page ids on the device and plans
-both wrappers; each layer's forward() then only launches kernels. Pure-decode steps in
+both wrappers; each layer's forward() then only launches kernels. Decode steps in
 CUDA graphs run engine/attention/triton_decode.py instead (engine/attention/cuda.py picks).
 
 flashinfer is imported only when the backend is configured, so this module imports (and

@@ -1,4 +1,4 @@
-"""The CUDA-graph decode backend: pure-decode steps through the engine's Triton kernel.
+"""The CUDA-graph decode backend: decode steps through the engine's Triton kernel.
 
 engine/kernels/decode_attention.py splits every sequence's KV into chunks of one length,
 where flashinfer's graph-mode decode cannot (benchmarks/RESULTS.md). Each captured batch
@@ -49,7 +49,8 @@ class TritonGraphDecode:
         )
 
     def plan(self, meta: AttentionMetadata) -> None:
-        """A pure-decode step of a prepared batch size, padding rows included."""
+        """A decode step of a prepared batch size, padding rows included (a row per
+        position: one sequence may have several)."""
         work = self._work[meta.num_seqs]
         width = meta.block_table.shape[1]
         first_pages = np.append(meta.slots.astype(np.int32) * width, 0).astype(np.int32)
