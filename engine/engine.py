@@ -379,7 +379,7 @@ class LLMEngine:
         for i, lps in result.prompt_logprobs.items():
             chunk = step.chunks[i]
             chunk.seq.request.add_prompt_logprobs(chunk.start + 1, lps)
-        row = 0
+        row, spare = 0, self._graph_rows_spare()
         for seq, rows, proposed in step.samplers:
             tokens = result.token_ids[row : row + rows]
             logprobs = result.logprobs[row : row + rows]
@@ -395,14 +395,24 @@ class LLMEngine:
                 room = seq.request.max_tokens - seq.num_sampled_tokens - 1
                 seq.proposed = self.proposer.propose(seq, room)[: max(0, room)]
             if seq.token_mask is not None and not seq.is_finished:
-                events += self._append_forced(seq)
+                forced = self._append_forced(seq, spare)
+                events += forced
+                spare = None if spare is None else spare - len(forced)
         return events
 
-    def _append_forced(self, seq: Sequence) -> list[CandidateEvent]:
+    def _graph_rows_spare(self) -> int | None:
+        """The rows the largest CUDA graph has beyond one for each running sequence: room
+        for forced tokens in the next step. None where every step runs eagerly."""
+        rows = self.runner.max_graph_rows
+        return None if rows is None else max(0, rows - len(self.scheduler.running))
+
+    def _append_forced(self, seq: Sequence, spare: int | None) -> list[CandidateEvent]:
         """Append the tokens seq's grammar forces next, unsampled: the next step computes
         them with the token before them, in one chunk, and samples after them. Not where a
         token of seq is still in flight (it would come first), nor for logprobs (a forced
-        token has none)."""
+        token has none). Where steps replay CUDA graphs, no more than keep the next step
+        in one (spare rows in all, taken in scheduling order; runner.graph_room for seq):
+        an eager step costs several replays, and the tokens left out come as usual."""
         if (
             not self.config.grammar_fast_forward
             or seq.num_tokens != len(seq.token_ids)
@@ -410,6 +420,8 @@ class LLMEngine:
         ):
             return []
         room = seq.request.max_tokens - seq.num_sampled_tokens
+        if spare is not None:
+            room = min(room, spare, self.runner.graph_room(seq.num_tokens))
         events, appended = [], []
         for token_id in seq.token_mask.forced()[:room]:
             seq.token_mask.accept(token_id)

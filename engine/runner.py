@@ -292,6 +292,20 @@ class ModelRunner:
         starts = plan.num_prompt_tokens[owners].astype(np.int64)
         return [rows.sample_slots[penalised], starts, rows.sample_ends[penalised]]
 
+    @property
+    def max_graph_rows(self) -> int | None:
+        """The rows of the largest CUDA graph; None where every step runs eagerly."""
+        return None if self.graphs is None else self.graphs.max_batch_size
+
+    def graph_room(self, num_tokens: int) -> int:
+        """How many tokens may be appended to a sequence of num_tokens tokens (its last one
+        not yet computed) with its next step still fit for a CUDA graph, by the limits on
+        one sequence's rows (MAX_GRAPH_ROWS_PER_SEQ, MAX_GRAPH_ROWS_KV_READS)."""
+        room = MAX_GRAPH_ROWS_PER_SEQ - 1
+        while room and (room + 1) * (num_tokens + room) > MAX_GRAPH_ROWS_KV_READS:
+            room -= 1
+        return room
+
     def _replayable(self, plan: StepPlan) -> bool:
         """A CUDA graph can run the step: every sequence sampling, at the end of a few
         positions (MAX_GRAPH_ROWS_PER_SEQ, MAX_GRAPH_ROWS_KV_READS; no middle piece of a

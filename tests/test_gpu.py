@@ -712,3 +712,23 @@ def test_tokens_a_grammar_forces_take_no_step_on_the_gpu(model_dir):
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         compared += len(a.token_ids) if same is None else same
     assert compared >= total / 2, f"only {compared} of {total} tokens before the runs part"
+
+
+def test_forced_tokens_leave_every_step_in_a_cuda_graph(model_dir):
+    """Six sequences under a schema of long fixed keys, graphs of at most 8 rows: the forced
+    tokens appended are only as many as keep each next step within the largest graph and one
+    sequence's row limits, so every step after the prompts' replays a graph, and the forced
+    tokens still take fewer steps than the answers have tokens."""
+    params = SamplingParams(
+        max_tokens=200,
+        temperature=0.0,
+        constraint=Constraint("json_schema", json.dumps(FIXED_KEYS_SCHEMA)),
+    )
+    llm = gpu_llm(model_dir, dtype="float16", max_num_seqs=8)
+    assert llm.engine.runner.max_graph_rows == 8
+    steps, replays = llm.engine.num_steps, llm.engine.runner.num_graph_steps
+    got = llm.generate(random_prompts(6, seed=23, lo=5, hi=40), params)  # one prefill step
+    taken = llm.engine.num_steps - steps
+    assert llm.engine.runner.num_graph_steps - replays == taken - 1
+    assert llm.engine.num_forced_tokens > 0
+    assert taken < max(len(g.outputs[0].token_ids) for g in got)

@@ -257,6 +257,24 @@ def test_steps_a_graph_cannot_run_run_eagerly(tiny_llama):
     assert not runner._replayable(step_plan(runner, [1], [9], [1]))
 
 
+def test_graph_room_is_the_most_tokens_a_sequence_may_add_and_still_replay(tiny_llama):
+    """runner.graph_room(n), for a sequence of n tokens whose last is not yet computed: the
+    tokens appended to it that leave its next step replayable, one more not (the engine
+    appends forced tokens by it). None may be added where one row already reads the most."""
+    runner = make_llm(tiny_llama).engine.runner
+    graph_sizes(runner, largest=64)
+    assert runner.max_graph_rows == 64
+    for num_tokens in (3, 100, MAX_GRAPH_ROWS_KV_READS // 8, MAX_GRAPH_ROWS_KV_READS // 3):
+        room = runner.graph_room(num_tokens)
+        plan = step_plan(runner, [room + 1], [num_tokens + room], [1])
+        over = step_plan(runner, [room + 2], [num_tokens + room + 1], [1])
+        assert runner._replayable(plan) and not runner._replayable(over), num_tokens
+    assert runner.graph_room(3) == MAX_GRAPH_ROWS_PER_SEQ - 1
+    assert runner.graph_room(MAX_GRAPH_ROWS_KV_READS) == 0
+    runner.graphs = None
+    assert runner.max_graph_rows is None
+
+
 # ---- multi-token steps ----------------------------------------------------------------------
 
 

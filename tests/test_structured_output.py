@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from engine.constraints import Constraint
 from engine.llm import LLM
+from engine.runner import MAX_GRAPH_ROWS_PER_SEQ, ModelRunner
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
@@ -528,3 +529,39 @@ def test_tokens_a_grammar_forces_are_appended_without_a_step_each_and_change_no_
         assert llm.engine.num_steps - steps == len(logged.token_ids)  # the prompt's samples one
         assert llm.engine.num_forced_tokens == forced + len(alone.token_ids) - taken
         assert len(logged.logprobs) == len(logged.token_ids)
+
+
+def test_forced_tokens_are_appended_only_as_far_as_the_next_step_fits_a_cuda_graph(
+    tiny_model, monkeypatch
+) -> None:
+    """A step outgrowing the largest CUDA graph (rows in all, or one sequence's row limits)
+    runs eagerly, at the cost of several replays, so where steps replay graphs only as many
+    forced tokens are appended as keep the next step in one. With graphs of 32 rows: every
+    step after the prompts' fits, where the engine without graphs computes runs of 36
+    tokens at once; the forced tokens still save most steps, and no token changes."""
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=200,
+        constraint=Constraint("json_schema", json.dumps(FIXED_KEYS_SCHEMA)),
+    )
+    prompts = ["a b", "c d e", "f", "g h"]  # all four start in the first step
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+        """The answers' tokens, and the rows of each sequence in each step after the first."""
+        rows, forward = [], llm.engine.runner.forward
+        monkeypatch.setattr(
+            llm.engine.runner,
+            "forward",
+            lambda plan: rows.append(plan.query_lens.tolist()) or forward(plan),
+        )
+        outputs = llm.generate(prompts, params)
+        return [list(o.outputs[0].token_ids) for o in outputs], rows[1:]
+
+    want, unlimited = run(LLM(str(tiny_model), num_blocks=512, block_size=4))
+    assert max(map(max, unlimited)) > MAX_GRAPH_ROWS_PER_SEQ and max(map(sum, unlimited)) > 32
+    monkeypatch.setattr(ModelRunner, "max_graph_rows", property(lambda runner: 32))
+    llm = LLM(str(tiny_model), num_blocks=512, block_size=4)
+    got, limited = run(llm)
+    assert got == want
+    assert all(sum(step) <= 32 and max(step) <= MAX_GRAPH_ROWS_PER_SEQ for step in limited)
+    assert len(limited) < len(want[0]) / 2 and llm.engine.num_forced_tokens > 0
