@@ -6,6 +6,7 @@ service for readiness, and the Prometheus endpoint for what the engine holds.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -104,12 +105,18 @@ class ServerProcess:
             self.proc.wait(10)
 
 
-def start_server_process(model: Path, *args: str) -> ServerProcess:
-    """Start `pagedserve serve` on free loopback ports (not waiting for readiness)."""
+def start_server_process(
+    model: Path, *args: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """Start `pagedserve serve` on free loopback ports (not waiting for readiness), with env
+    added to this process's environment."""
     grpc_port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "service.cli", "serve", "--model", str(model)]
     command += ["--grpc-port", str(grpc_port), "--metrics-host", "127.0.0.1"]
     command += ["--metrics-port", str(metrics_port), *args]
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    environment = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=log, text=True, env=environment
+    )
     return ServerProcess(proc, grpc_port, metrics_port, log)
