@@ -32,6 +32,14 @@ MAX_GRAPH_ROWS_PER_SEQ = 16
 MAX_GRAPH_ROWS_KV_READS = 65536
 
 
+def _rows_fit_a_graph(rows: int | np.ndarray, seq_lens: int | np.ndarray) -> bool | np.ndarray:
+    """Whether a sequence computing `rows` positions up to length seq_lens may replay a
+    CUDA graph, by the limits above (one row always may); ints, or arrays elementwise."""
+    return (rows <= MAX_GRAPH_ROWS_PER_SEQ) & (
+        (rows == 1) | (rows * seq_lens <= MAX_GRAPH_ROWS_KV_READS)
+    )
+
+
 @dataclass
 class StepPlan:
     """One step as plain arrays. Entry i of each [B] array is scheduled sequence i: it
@@ -302,7 +310,7 @@ class ModelRunner:
         not yet computed) with its next step still fit for a CUDA graph, by the limits on
         one sequence's rows (MAX_GRAPH_ROWS_PER_SEQ, MAX_GRAPH_ROWS_KV_READS)."""
         room = MAX_GRAPH_ROWS_PER_SEQ - 1
-        while room and (room + 1) * (num_tokens + room) > MAX_GRAPH_ROWS_KV_READS:
+        while not _rows_fit_a_graph(room + 1, num_tokens + room):
             room -= 1
         return room
 
@@ -312,10 +320,6 @@ class ModelRunner:
         prefill, no prompt logprobs), and no more rows in all than the largest graph."""
         if self.graphs is None or plan.prompt_logprobs or not (plan.num_samples >= 1).all():
             return False
-        rows = plan.query_lens
-        several = rows > 1
-        return (
-            int(rows.sum()) <= self.graphs.max_batch_size
-            and bool((rows <= MAX_GRAPH_ROWS_PER_SEQ).all())
-            and bool((rows[several] * plan.seq_lens[several] <= MAX_GRAPH_ROWS_KV_READS).all())
+        return int(plan.query_lens.sum()) <= self.graphs.max_batch_size and bool(
+            _rows_fit_a_graph(plan.query_lens, plan.seq_lens).all()
         )

@@ -549,11 +549,12 @@ def test_forced_tokens_are_appended_only_as_far_as_the_next_step_fits_a_cuda_gra
     def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
         """The answers' tokens, and the rows of each sequence in each step after the first."""
         rows, forward = [], llm.engine.runner.forward
-        monkeypatch.setattr(
-            llm.engine.runner,
-            "forward",
-            lambda plan: rows.append(plan.query_lens.tolist()) or forward(plan),
-        )
+
+        def recording(plan):
+            rows.append(plan.query_lens.tolist())
+            return forward(plan)
+
+        monkeypatch.setattr(llm.engine.runner, "forward", recording)
         outputs = llm.generate(prompts, params)
         return [list(o.outputs[0].token_ids) for o in outputs], rows[1:]
 
