@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
@@ -34,11 +34,14 @@ class UnknownModel(EngineError):
     """The request names a model this server does not serve."""
 
 
-def authorized(header: str | None, api_key: str | None) -> bool:
-    """Whether an Authorization header value carries the key (always, when no key is set)."""
+def authorized(headers: Sequence[str], api_key: str | None) -> bool:
+    """Whether the Authorization values a call carries hold the key (always, when no key is
+    set). Exactly one value: with two, a proxy and the server could each read another."""
     if api_key is None:
         return True
-    scheme, _, token = (header or "").partition(" ")
+    if len(headers) != 1:
+        return False
+    scheme, _, token = headers[0].partition(" ")
     # Constant-time, so the answer's timing does not leak how much of a guess was right.
     return scheme.lower() == "bearer" and hmac.compare_digest(
         token.strip().encode(), api_key.encode()

@@ -2,39 +2,44 @@
 
 Same process, same AsyncEngine, same bounded queue: the app goes through the gRPC service's
 front door (service/front_door.py), so "loading" and "draining" answer 503 here exactly when
-gRPC answers UNAVAILABLE, and a REST generation counts as in flight for the drain. A request
-is validated (pydantic for shapes, SamplingParams.validate for values), encoded
-(engine/prompts.py: the model's chat template for messages) and submitted once per prompt;
-each prompt's events are gathered into its answer (engine/outputs.py), formatted here as
-OpenAI's JSON, or as its SSE chunks when streaming. A client that goes away mid-stream cancels
-its requests, which frees their KV blocks.
+gRPC answers UNAVAILABLE, and a REST generation counts as in flight for the drain. A call's
+API key is checked before its body is read; the body is read within http_read_timeout,
+decoded (service/openai_schema.py: msgspec for shapes, SamplingParams.validate for values),
+encoded (engine/prompts.py: the model's chat template for messages) and submitted, all its
+prompts at once; each prompt's events are gathered into its answer (engine/outputs.py),
+formatted here as OpenAI's JSON, or as its SSE chunks when streaming. A client that goes
+away, from the moment its body is read, cancels its requests, which frees their KV blocks.
 
 Errors use OpenAI's envelope, {"error": {"message", "type", "param", "code"}}: 400
-validation, 401 API key, 404 unknown model, 413 body over max_message_bytes, 429 queue full
-(Retry-After), 503 loading or draining, 500 engine fault.
+validation, 401 API key, 404 unknown model, 408 a body not sent in time, 413 body over
+max_message_bytes, 429 queue full (Retry-After), 503 loading, draining or shutting down,
+500 engine fault. A stream the server closes before its end gets the error as its last
+event, then [DONE].
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-import os
 import socket
 import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, TypeVar
 
 import grpc
+import h11
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.async_engine import AsyncEngine, EngineStopped
 from engine.errors import EngineOverloaded, ValidationError
@@ -52,16 +57,22 @@ from service.front_door import (
 )
 from service.openai_schema import (
     MAX_PROMPTS,
+    Body,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    decode,
 )
 from service.tls import TlsFiles
 
 T = TypeVar("T")
 RETRY_AFTER_SECONDS = "1"  # HTTP's Retry-After counts whole seconds
+# A client has this long to send a request's headers, and again its body: one that trickles
+# them (slowloris) is cut off, not left holding a connection.
+READ_TIMEOUT_SECONDS = 30.0
+_DONE = "data: [DONE]\n\n"
 _FINISH_REASONS = {
     FinishReason.LENGTH: "length",
     FinishReason.CONTEXT_LIMIT: "length",
@@ -78,6 +89,7 @@ _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
@@ -136,39 +148,22 @@ def create_app(
     service: FrontDoor,
     api_key: str | None = None,
     max_body_bytes: int = MAX_MESSAGE_BYTES,
+    read_timeout: float = READ_TIMEOUT_SECONDS,
 ) -> FastAPI:
-    """The REST app over `service`'s engine; with api_key, /v1 and /tokenize need the key.
-    Bodies over max_body_bytes get 413 before they are read whole."""
+    """The REST app over `service`'s engine; with api_key, /v1 and /tokenize need the key,
+    checked before a body is read. Bodies over max_body_bytes get 413 before they are read
+    whole; one not received within read_timeout seconds, 408."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    api = app.state.api = _Api(service, read_timeout)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":  # loc is ("body", position)
-            detail = first.get("ctx", {}).get("error", "")
-            message = f"body: not valid JSON ({detail} at position {first['loc'][-1]})"
-            return ApiError(400, message, param="body").response()
-        if isinstance(first.get("input"), bytes):  # not parsed: not sent as JSON
-            message = "body: must be a JSON object, sent with Content-Type: application/json"
-            return ApiError(400, message, param="body").response()
-        # A field of several types (prompt: str | list[...]) fails once per type, each loc
-        # ending in the type's tag: name the field itself, and what each type wanted.
-        same = [e for e in exc.errors() if e["loc"][:2] == first.get("loc", ())[:2]]
-        loc = [str(part) for part in os.path.commonprefix([e["loc"] for e in same])][1:]
-        # Field names and indexes as they are; a dict's keys (logit_bias) quoted.
-        param = ".".join(p if p.isidentifier() or p.isdigit() else repr(p) for p in loc) or "body"
-        wanted = ", or ".join(dict.fromkeys(e["msg"] for e in same[:4]))
-        return ApiError(400, f"{param}: {wanted or 'invalid'}", param=param).response()
-
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own refusals (an unknown path, a body that is not UTF-8, 413) in
-        OpenAI's envelope too."""
+        """Starlette's own refusals (an unknown path, 413) in OpenAI's envelope too."""
         if exc.status_code in (400, 413):
             cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
             message, param = f"body: {exc.detail}{cause}", "body"
@@ -177,18 +172,18 @@ def create_app(
         return ApiError(exc.status_code, message, param=param, headers=exc.headers).response()
 
     async def require_key(request: Request) -> None:
-        if not authorized(request.headers.get("authorization"), api_key):
+        """Before anything reads the body: a caller without the key costs no parse."""
+        if not authorized(request.headers.getlist("authorization"), api_key):
             if request.url.path in GENERATION_PATHS:  # counted like the handlers' outcomes
                 service.metrics.rpc_finished(request.url.path, grpc.StatusCode.UNAUTHENTICATED)
             raise ApiError(
                 401,
-                "missing or wrong API key (Authorization: Bearer <key>)",
+                "missing or wrong API key (exactly one Authorization: Bearer <key>)",
                 "authentication_error",
                 code="invalid_api_key",
             )
 
     guarded = [Depends(require_key)]
-    api = _Api(service)
 
     @app.get("/health")
     async def health() -> Response:
@@ -219,16 +214,17 @@ def create_app(
         return api.model_card(engine)
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await api.completions(body, request)
+    async def completions(request: Request) -> Response:
+        return await api.completions(request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await api.chat_completions(body, request)
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat_completions(request)
 
     @app.post("/tokenize", dependencies=guarded)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(request: Request) -> dict[str, Any]:
         engine = api.engine()
+        body = await api.body(request, TokenizeRequest)
         api.check_model(body.model)
         try:
             # Generate's guards: text that cannot fit the context is refused unencoded.
@@ -243,8 +239,9 @@ def create_app(
         return {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=guarded)
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(request: Request) -> dict[str, Any]:
         engine = api.engine()
+        body = await api.body(request, DetokenizeRequest)
         api.check_model(body.model)
         vocab = engine.info.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -263,15 +260,44 @@ class _Generation:
     id: str
     kind: str  # "completion" | "chat"
     model: str
-    n: int
-    streams: list[RequestStream]
-    outputs: list[RequestOutputBuilder]  # per prompt
+    prompts: list[list[int]]
+    params: SamplingParams
     echo_texts: list[str]  # per prompt; "" unless echo
-    logprobs: bool  # the request asked for them
+    # Per prompt, once submitted (after the engine checked what their sizes come from).
+    streams: list[RequestStream] = field(default_factory=list)
+    outputs: list[RequestOutputBuilder] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     finals: list[CandidateEvent] = field(default_factory=list)
     started: set[int] = field(default_factory=set)  # choices a stream sent a first chunk of
     tool_calls: ToolCallReader = field(default_factory=lambda: ToolCallReader(None))
+
+    @classmethod
+    def start(
+        cls,
+        kind: str,
+        model: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        echo_texts: list[str],
+    ) -> _Generation:
+        gen_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        return cls(gen_id, kind, model, prompts, params, echo_texts)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def logprobs(self) -> bool:
+        """The request asked for them."""
+        return self.params.logprobs is not None
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The engine's ids of the call's requests, one per prompt."""
+        if len(self.prompts) == 1:
+            return [self.id]
+        return [f"{self.id}-{i}" for i in range(len(self.prompts))]
 
     def finish_reason(self, index: int, reason: FinishReason) -> str:
         return (
@@ -301,8 +327,14 @@ class _Generation:
 
 
 class _Api:
-    def __init__(self, service: FrontDoor) -> None:
+    def __init__(self, service: FrontDoor, read_timeout: float) -> None:
         self.service = service
+        self.read_timeout = read_timeout
+        # Set when the server stops: what still runs answers 503 (a stream: its last event).
+        self.closing = asyncio.Event()
+        self.open_calls = 0  # generations answering now; the server's stop waits for them
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def engine(self) -> AsyncEngine:
         try:
@@ -325,12 +357,38 @@ class _Api:
             "max_model_len": engine.info.max_model_len,
         }
 
+    async def body(self, request: Request, kind: type[Body]) -> Body:
+        """The request's body as `kind`, read within read_timeout (slow senders get 408)."""
+        try:
+            raw = await asyncio.wait_for(request.body(), self.read_timeout)
+        except asyncio.TimeoutError:
+            message = f"body: not received within {self.read_timeout:g} s (http_read_timeout)"
+            raise ApiError(408, message, param="body", code="body_timeout") from None
+        except HTTPException as exc:  # _BodyLimit's 413, met while reading
+            raise ApiError(exc.status_code, f"body: {exc.detail}", param="body") from None
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            message = "body: must be a JSON object, sent with Content-Type: application/json"
+            raise ApiError(400, message, param="body")
+        try:
+            return decode(raw, kind)
+        except ValidationError as exc:
+            raise api_error(exc) from None
+
+    async def close(self, timeout: float) -> None:
+        """End every generation still answering: each gets its 503 (a stream as its last
+        event, then [DONE]); returns once they have, or after timeout."""
+        self.closing.set()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+
     # ---- generation ----------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
         engine = self.engine()
         names = {"prompt_token_ids": "prompt"}
         try:
+            body = await self.body(request, CompletionRequest)
             self.service.check_model(body.model or "")
             params = body.sampling_params()
             texts = body.prompts()
@@ -342,15 +400,17 @@ class _Api:
             ]
         except Exception as exc:
             raise self._refused("completion", exc, names) from None
-        gen = await self._submit(engine, "cmpl", "completion", prompts, params, body, names)
         # After the ids were checked: decoding one that is not a token id can raise.
-        gen.echo_texts = [engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
-        return await self._respond(gen, engine.tokenizer, body, request)
+        echo = [engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
+        gen = _Generation.start("completion", self.service.model_name, prompts, params, echo)
+        return await self._run(gen, engine, body, names, request)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
         engine = self.engine()
-        names = body.param_names()
+        names = {"logprobs": "top_logprobs", "prompt": "messages"}
         try:
+            body = await self.body(request, ChatCompletionRequest)
+            names = body.param_names()
             self.service.check_model(body.model or "")
             tools = body.tool_use(self.service.tool_parser(engine))
             params = body.sampling_params(tools)
@@ -359,9 +419,9 @@ class _Api:
             )
         except Exception as exc:
             raise self._refused("chat", exc, names) from None
-        gen = await self._submit(engine, "chatcmpl", "chat", [prompt], params, body, names)
+        gen = _Generation.start("chat", self.service.model_name, [prompt], params, [""])
         gen.tool_calls = ToolCallReader(tools)
-        return await self._respond(gen, engine.tokenizer, body, request)
+        return await self._run(gen, engine, body, names, request)
 
     def _refused(self, kind: str, exc: Exception, param_names: dict[str, str]) -> ApiError:
         """The answer to a call refused before it ran, counted like the calls that ran."""
@@ -369,53 +429,67 @@ class _Api:
         self._record(kind, error.status, [])
         return error
 
+    async def _run(
+        self,
+        gen: _Generation,
+        engine: AsyncEngine,
+        body: CompletionRequest | ChatCompletionRequest,
+        param_names: dict[str, str],
+        request: Request,
+    ) -> Response:
+        """Submit the call's prompts and answer it, whole or as a stream. From here on a
+        caller who leaves cancels all its requests at once, submitted or still being
+        submitted, and a server that stops answers 503."""
+        self.open_calls += 1
+        self._idle.clear()
+        try:
+            door = "rest_stream" if body.stream else "rest_unary"
+            submitted = self._submit(engine, gen, body.priority, door, param_names)
+            ended = await _unless_interrupted(submitted, request.receive, self.closing)
+            if ended is not None:  # 499: nobody reads it
+                self._record(gen.kind, 499 if ended is _Interrupted.LEFT else 503, [])
+                return _interrupted_response(ended)
+            if body.stream:
+                chunks = self._sse(gen, engine.tokenizer, body.include_usage)
+                return _EventStream(chunks, self.closing, media_type="text/event-stream")
+            answer = self._full_answer(gen, engine.tokenizer)
+            outcome = await _unless_interrupted(answer, request.receive, self.closing)
+            return _interrupted_response(outcome) if isinstance(outcome, _Interrupted) else outcome
+        finally:
+            self.open_calls -= 1
+            if self.open_calls == 0:
+                self._idle.set()
+
     async def _submit(
         self,
         engine: AsyncEngine,
-        prefix: str,
-        kind: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        body: CompletionRequest | ChatCompletionRequest,
-        param_names: dict[str, str],
-    ) -> _Generation:
-        """One engine request per prompt; if one is refused, those already queued are cancelled."""
-        gen_id = f"{prefix}-{uuid.uuid4().hex}"
-        door = "rest_stream" if body.stream else "rest_unary"
-        streams: list[RequestStream] = []
-        outputs: list[RequestOutputBuilder] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                request_id = gen_id if len(prompts) == 1 else f"{gen_id}-{i}"
-                streams.append(await engine.submit(request_id, prompt, params, body.priority, door))
-                outputs.append(RequestOutputBuilder.start(request_id, prompt, params.n))
-        except BaseException as exc:
-            for stream in streams:
-                stream.cancel()
-            if isinstance(exc, Exception):
-                raise self._refused(kind, exc, param_names) from None
-            raise
-        self.service.log_prompts(gen_id, prompts)
-        model = self.service.model_name
-        echo = [""] * len(prompts)
-        wants = params.logprobs is not None
-        return _Generation(gen_id, kind, model, params.n, streams, outputs, echo, wants)
-
-    async def _respond(
-        self,
         gen: _Generation,
-        tokenizer: Tokenizer,
-        body: CompletionRequest | ChatCompletionRequest,
-        request: Request,
-    ) -> Response:
-        if body.stream:
-            chunks = self._sse(gen, tokenizer, body.include_usage)
-            return _EventStream(chunks, media_type="text/event-stream")
-        # A client that leaves before the whole answer is ready cancels its requests, as
-        # one leaving a stream does: nothing else would tell the engine. (_merged's cleanup
-        # cancels them; counted as 499.)
-        answer = await _unless_disconnected(self._full_answer(gen, tokenizer), request.receive)
-        return Response(status_code=499) if answer is None else answer  # 499: nobody reads it
+        priority: int,
+        door: str,
+        param_names: dict[str, str],
+    ) -> None:
+        """One engine request per prompt, all queued at once; if one is refused, or the
+        call ends while they queue, every one of them is cancelled."""
+        submits = [
+            asyncio.ensure_future(engine.submit(request_id, prompt, gen.params, priority, door))
+            for request_id, prompt in zip(gen.request_ids, gen.prompts, strict=True)
+        ]
+        try:
+            gen.streams = await asyncio.gather(*submits)
+        except BaseException as exc:
+            for submit in submits:
+                submit.cancel()  # one still waiting for admission takes its request back
+            for outcome in await asyncio.gather(*submits, return_exceptions=True):
+                if isinstance(outcome, RequestStream):
+                    outcome.cancel()
+            if isinstance(exc, Exception):
+                raise self._refused(gen.kind, exc, param_names) from None
+            raise
+        gen.outputs = [
+            RequestOutputBuilder.start(request_id, prompt, gen.n)
+            for request_id, prompt in zip(gen.request_ids, gen.prompts, strict=True)
+        ]
+        self.service.log_prompts(gen.id, gen.prompts)
 
     async def _full_answer(self, gen: _Generation, tokenizer: Tokenizer) -> Response:
         with self.service.in_flight_call(), self._observed(gen) as status:
@@ -432,9 +506,10 @@ class _Api:
         try:
             yield status
         except BaseException as exc:
-            status[0] = 499 if isinstance(exc, asyncio.CancelledError) else api_error(exc).status
-            if isinstance(exc, StreamOverflow):
-                status[0] = 429
+            if isinstance(exc, asyncio.CancelledError):
+                status[0] = 503 if self.closing.is_set() else 499
+            else:
+                status[0] = 429 if isinstance(exc, StreamOverflow) else api_error(exc).status
             raise
         finally:
             self._record(gen.kind, status[0], gen.finals)
@@ -503,7 +578,7 @@ class _Api:
                 return
             if include_usage:
                 yield _sse_data(self._chunk(gen, []) | {"usage": gen.usage()})
-            yield "data: [DONE]\n\n"
+            yield _DONE
 
     def _chunk(self, gen: _Generation, choices: list[dict]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
@@ -596,13 +671,31 @@ class _BodyLimit:
 class _EventStream(StreamingResponse):
     """A StreamingResponse that stops the moment its client disconnects, whether or not it
     was writing (a request still waiting for its first token writes nothing), and always
-    closes its body iterator, so the engine requests are cancelled at once, not at GC time."""
+    closes its body iterator, so the engine requests are cancelled at once, not at GC time.
+    When the server closes it first, its last event is the 503 that says so, then [DONE]."""
+
+    def __init__(self, content: AsyncIterator[str], closing: asyncio.Event, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.closing = closing
 
     async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_noting_start(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await _unless_disconnected(self.stream_response(send), receive)
+            streamed = self.stream_response(send_noting_start)
+            ended = await _unless_interrupted(streamed, receive, self.closing)
         finally:
             await self.body_iterator.aclose()
+        if ended is _Interrupted.CLOSING and started:
+            last = _sse_data(_closing_error().body()) + _DONE
+            await send({"type": "http.response.body", "body": last.encode(), "more_body": False})
+        elif ended is _Interrupted.CLOSING:
+            await _closing_error().response()(scope, receive, send)
 
 
 def _envelope(gen: _Generation, kind: str, choices: list[dict]) -> dict[str, Any]:
@@ -620,9 +713,19 @@ def _sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _unless_disconnected(work: Coroutine[Any, Any, T], receive) -> T | None:
-    """work's result; or, if the client disconnects first, None once work is cancelled.
-    The request's body was read already: what comes next from receive is the disconnect."""
+class _Interrupted(Enum):
+    """Why a call's work stopped before its end."""
+
+    LEFT = "left"  # the client disconnected
+    CLOSING = "closing"  # the server is stopping
+
+
+async def _unless_interrupted(
+    work: Coroutine[Any, Any, T], receive, closing: asyncio.Event
+) -> T | _Interrupted:
+    """work's result; or, if the client disconnects or the server closes first, why, once
+    work is cancelled. The request's body was read already: what comes next from receive
+    is the disconnect."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -630,14 +733,28 @@ async def _unless_disconnected(work: Coroutine[Any, Any, T], receive) -> T | Non
             pass
 
     left = asyncio.ensure_future(disconnected())
+    closed = asyncio.ensure_future(closing.wait())
     try:
-        await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, left, closed), return_when=asyncio.FIRST_COMPLETED)
     finally:
         left.cancel()
+        closed.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+    if not task.cancelled():
+        return task.result()
+    return _Interrupted.CLOSING if closing.is_set() else _Interrupted.LEFT
+
+
+def _closing_error() -> ApiError:
+    return ApiError(503, "server is shutting down; retry elsewhere", "service_unavailable")
+
+
+def _interrupted_response(why: _Interrupted) -> Response:
+    """The answer to a call cut short: none for a client who left (499, logged only), 503
+    when the server is stopping."""
+    return Response(status_code=499) if why is _Interrupted.LEFT else _closing_error().response()
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CandidateEvent]]:
@@ -725,7 +842,10 @@ def _completion_logprobs(
         text = _token_text(tokenizer, item.token_id)
         tokens.append(text)
         token_logprobs.append(item.logprob)
-        top.append({_token_text(tokenizer, t): lp for t, lp in item.top} or None)
+        # The legacy API lists the sampled token too, when it is not among the top ones.
+        alternatives = dict(item.top)
+        alternatives.setdefault(item.token_id, item.logprob)
+        top.append({_token_text(tokenizer, t): lp for t, lp in alternatives.items()} or None)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -757,13 +877,54 @@ def _ssl_options(tls: TlsFiles | None) -> dict[str, Any]:
     return options
 
 
+class _TimedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head: a client that has
+    not sent all of a request's headers within head_timeout seconds of its first byte (or
+    of the connection's opening) is disconnected, so a slowloris client cannot hold a
+    connection. (The body's deadline is the app's: _Api.body.)"""
+
+    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout = head_timeout
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # a head begun and not yet whole
+            self._await_head()
+        elif self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        if self._head_deadline is None:
+            self._head_deadline = self.loop.call_later(self.head_timeout, self._head_late)
+
+    def _head_late(self) -> None:
+        self._head_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
 @dataclass
 class HttpServer:
     server: uvicorn.Server
     task: asyncio.Task
     port: int
+    api: _Api
 
     async def stop(self) -> None:
+        """End what the REST door still answers (each its 503), then stop listening."""
+        await self.api.close(timeout=1.0)
         self.server.should_exit = True
         await self.task
 
@@ -776,16 +937,20 @@ async def start_http(
     log_level: str = "warning",
     tls: TlsFiles | None = None,
     max_body_bytes: int = MAX_MESSAGE_BYTES,
+    read_timeout: float = READ_TIMEOUT_SECONDS,
 ) -> HttpServer:
     """Serve the REST app on the running loop; returns once it listens (port 0: any free
     port, the bound one is HttpServer.port). With tls, HTTPS; with its client CA, clients
-    must present a certificate that chains to it."""
+    must present a certificate that chains to it. A client has read_timeout seconds to send
+    a request's headers, and as long again for its body."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    app = create_app(service, api_key, max_body_bytes, read_timeout)
     config = uvicorn.Config(
-        create_app(service, api_key, max_body_bytes),
+        app,
+        http=functools.partial(_TimedH11Protocol, head_timeout=read_timeout),
         log_level=log_level,
         access_log=False,
         lifespan="off",
@@ -799,4 +964,4 @@ async def start_http(
             task.result()  # raises what stopped it
             raise RuntimeError("the REST server stopped while starting")
         await asyncio.sleep(0.01)
-    return HttpServer(server, task, sock.getsockname()[1])
+    return HttpServer(server, task, sock.getsockname()[1], app.state.api)

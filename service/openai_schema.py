@@ -1,97 +1,153 @@
-"""The OpenAI API's request bodies, as pydantic models, and their mapping to SamplingParams.
+"""The OpenAI API's request bodies, as msgspec Structs decoded from a body's bytes, and their
+mapping to SamplingParams.
 
-pydantic checks the shapes (a string where a number belongs: 400 naming the field); the
-values' ranges are SamplingParams.validate's, the same check gRPC requests pass through.
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour
-(logit_bias, suffix, ...) are refused rather than silently dropped.
+Decoding checks each value's type as it parses: the first wrong one ends it with one error
+naming its field, before the rest of the body is read. Fields this server does not know
+are skipped unbuilt, and free-form JSON (a response schema, a tool's parameters,
+logit_bias) stays the raw text it came as: a schema goes to the grammar compiler as that
+text, so no body of any shape costs more than its parse. The values' ranges are
+SamplingParams.validate's, the same check gRPC requests pass through. Fields we cannot
+honour (logit_bias, suffix, ...) are refused rather than silently dropped.
+
+Bodies are JSON as RFC 8259 has it: NaN and Infinity, and text with a lone UTF-16
+surrogate ("\\ud800", which is no character), make a body invalid.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import msgspec
+from msgspec import Meta, Raw
 
-from engine.constraints import Constraint
+from engine.constraints import MAX_SPEC_CHARS, Constraint
 from engine.errors import ValidationError
-from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import SamplingParams
 from engine.tool_calls import FUNCTION_NAME, ToolUse
 
 # Prompts in one completions request (each is an engine request; past the queue's room they
 # get 429), bounded before any is encoded.
 MAX_PROMPTS = 1024
-# The longest list of anything but token ids a body may hold: chat messages.
-MAX_LIST_ENTRIES = MAX_CHAT_MESSAGES
+
+Body = TypeVar("Body", bound="_Body")
 
 
-def _no_surrogates(value: Any) -> Any:
-    """JSON may spell a lone UTF-16 surrogate ("\\ud800"), which is no character: no
-    tokenizer or UTF-8 encoder takes it, so it is refused here, naming its field.
-
-    Lists longer than MAX_LIST_ENTRIES are refused here too unless every entry is an
-    integer (token ids): pydantic would validate each entry, and record an error for each
-    under every type a field may have (1 GB of errors for 12 MiB of [[1], [1], ...])."""
-    if isinstance(value, str) and not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError as exc:
-            message = f"is not valid Unicode text: a lone UTF-16 surrogate at index {exc.start}"
-            raise ValueError(message) from None
-    elif isinstance(value, list | tuple):
-        if len(value) > MAX_LIST_ENTRIES:
-            if set(map(type, value)) <= {int}:  # one pass in C; ints hold no text
-                return value
-            raise ValueError(
-                f"at most {MAX_LIST_ENTRIES} entries unless all are token ids (integers), "
-                f"got {len(value)}"
-            )
-        for item in value:
-            _no_surrogates(item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _no_surrogates(key)
-            _no_surrogates(item)
-    return value
+class _Body(msgspec.Struct, kw_only=True):  # each subclass repeats kw_only: not inherited
+    """A request body, or a part of one; unknown fields are skipped, as OpenAI-compatible
+    servers commonly do. msgspec is strict: no "1" for 1, no true for 1."""
 
 
-class _Body(BaseModel):
-    # strict: JSON types as OpenAI documents them; no "yes" for true, no true for token 1.
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+def decode(body: bytes, kind: type[Body]) -> Body:
+    """The body as `kind`; ValidationError naming the field at fault (or "body")."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ValidationError("body", f"not valid JSON: {_why_invalid(body, str(exc))}") from None
 
-    _check_text = field_validator("*", mode="before")(_no_surrogates)  # nested ones too
+
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]|\[\.\.\.\]")
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
 
 
-class StreamOptions(_Body):
+def _field_error(message: str) -> ValidationError:
+    """msgspec's "Expected `int`, got `str` - at `$.prompt[0][0]`" as
+    "prompt.0.0: expected int, got str"."""
+    match = _AT.match(message)
+    text, path = match["message"], match["path"] or ""
+    parts = [name or index for name, index in _PATH_PART.findall(path) if name or index]
+    if missing := _MISSING.match(text):
+        parts.append(missing["name"])
+        text = "is required"
+    text = text.replace("`", "")
+    return ValidationError(".".join(parts) or "body", text[:1].lower() + text[1:])
+
+
+def _why_invalid(body: bytes, message: str) -> str:
+    """msgspec's reason, said plainly where it is JSON's rules that the body broke."""
+    position = re.search(r"\(byte (\d+)\)", message)
+    at = int(position[1]) if position else None
+    if at is not None and body[at : at + 3] in (b"NaN", b"Inf", b"-In"):
+        return f"NaN and Infinity are not JSON numbers (byte {at})"
+    lone = re.search(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", body)
+    if lone is not None and ("surrogate" in message or "truncated" in message):
+        return f"text with a lone UTF-16 surrogate, which is no character (byte {lone.start()})"
+    return message[:1].lower() + message[1:]
+
+
+def _raw_json(raw: Raw, field: str) -> str:
+    """A free-form JSON value as its text, bounded like a gRPC request's schema text."""
+    if len(raw) > MAX_SPEC_CHARS:
+        raise ValidationError(field, f"has {len(raw)} bytes of JSON, at most {MAX_SPEC_CHARS}")
+    return bytes(raw).decode()
+
+
+def _present(raw: Raw) -> bool:
+    """A raw field was sent, and not as null."""
+    return len(raw) > 0 and bytes(raw) != b"null"
+
+
+class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(_Body, kw_only=True):
     name: str
-    schema_: dict[str, Any] | bool = Field(alias="schema")
+    schema: Raw  # a JSON Schema, kept as its text
     description: str | None = None
     strict: bool | None = None  # generated output always keeps to the schema
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(_Body, kw_only=True):
     """OpenAI's response_format."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(_Body, kw_only=True):
     """vLLM's structured_outputs extra: exactly one of its fields."""
 
-    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a JSON Schema
+    json_: Raw = msgspec.field(name="json", default=Raw())  # a JSON Schema, or one as text
     json_object: bool | None = None
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
 
+    def constraint(self) -> Constraint:
+        given = [
+            name
+            for name in ("json_object", "regex", "grammar", "choice")
+            if getattr(self, name) is not None
+        ]
+        if _present(self.json_):
+            given.append("json")
+        if len(given) != 1:
+            raise ValidationError(
+                "structured_outputs",
+                "give exactly one of json, json_object, regex, grammar, choice",
+            )
+        name = given[0]
+        field = f"structured_outputs.{name}"
+        if name == "json":
+            spec = _raw_json(self.json_, field)
+            if spec.lstrip().startswith('"'):  # a schema sent as a JSON string
+                spec = json.loads(spec)
+            return Constraint("json_schema", spec, field=field)
+        if name == "json_object":
+            if not self.json_object:
+                raise ValidationError(field, "set it to true, or leave it unset")
+            return Constraint("json_object", field=field)
+        if name == "choice":
+            return Constraint("choice", tuple(self.choice), field=field)
+        return Constraint(name, getattr(self, name), field=field)
 
-class _Sampling(_Body):
+
+class _Sampling(_Body, kw_only=True):
     """What completions and chat share: sampling, stopping, streaming, and the common
     extras of OpenAI-compatible servers (top_k, min_p, ...)."""
 
@@ -105,7 +161,7 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Raw = Raw()  # refused unless empty: kept unbuilt
     user: str | None = None
     # extras
     top_k: int | None = None
@@ -142,7 +198,7 @@ class _Sampling(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
+        if _present(self.logit_bias) and bytes(self.logit_bias).strip() != b"{}":
             raise ValidationError("logit_bias", "is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options", "is only allowed with stream: true")
@@ -172,34 +228,19 @@ class _Sampling(_Body):
         if chosen:
             if chosen.json_schema is None:
                 raise ValidationError("response_format.json_schema", "is required for json_schema")
-            schema = json.dumps(chosen.json_schema.schema_)
-            return Constraint("json_schema", schema, field="response_format.json_schema.schema")
+            field = "response_format.json_schema.schema"
+            return Constraint(
+                "json_schema", _raw_json(chosen.json_schema.schema, field), field=field
+            )
         if self.structured_outputs is None:
             return None
-        given = self.structured_outputs.model_dump(exclude_none=True)
-        if len(given) != 1:
-            raise ValidationError(
-                "structured_outputs",
-                "give exactly one of json, json_object, regex, grammar, choice",
-            )
-        ((name, value),) = given.items()
-        field = f"structured_outputs.{name.rstrip('_')}"
-        if name == "json_":
-            spec = value if isinstance(value, str) else json.dumps(value)
-            return Constraint("json_schema", spec, field=field)
-        if name == "json_object":
-            if not value:
-                raise ValidationError(field, "set it to true, or leave it unset")
-            return Constraint("json_object", field=field)
-        if name == "choice":
-            return Constraint("choice", tuple(value), field=field)
-        return Constraint(name, value, field=field)
+        return self.structured_outputs.constraint()
 
 
-class CompletionRequest(_Sampling):
-    # Token ids first: a long list of them matches there, with no error recorded per id
-    # under the other types on the way.
-    prompt: list[int] | str | list[str] | list[list[int]]
+class CompletionRequest(_Sampling, kw_only=True):
+    # Text, texts, token ids or token-id lists: one kind (prompts() checks), each entry
+    # typed as it is parsed, so a wrong one ends the parse at once.
+    prompt: str | list[int | str | list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
@@ -209,10 +250,17 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        if isinstance(prompt, str):
             return [prompt]
         if not prompt:
             raise ValidationError("prompt", "must not be empty")
+        kinds = {type(p) for p in prompt}
+        if kinds == {int}:
+            return [prompt]
+        if len(kinds) > 1:
+            raise ValidationError(
+                "prompt", "give text, texts, token ids or token-id lists, not a mix of them"
+            )
         return list(prompt)
 
     def sampling_params(self) -> SamplingParams:
@@ -226,47 +274,85 @@ class CompletionRequest(_Sampling):
         return params
 
 
-class TextPart(_Body):
+class TextPart(_Body, kw_only=True):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the template may use them
+class CalledFunction(_Body, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
+
+class MessageToolCall(_Body, kw_only=True):
+    """A call an assistant message made, as the chat template gets it."""
+
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(_Body, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
+    # What chat templates read besides role and content; other fields are skipped.
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if (value := getattr(self, name)) is not None:
+                message[name] = value
+        if self.tool_calls is not None:
+            message["tool_calls"] = [msgspec.to_builtins(call) for call in self.tool_calls]
+        return message
 
 
-class FunctionDefinition(_Body):
-    name: str = Field(pattern=f"^{FUNCTION_NAME}$")
+class FunctionDefinition(_Body, kw_only=True):
+    name: Annotated[str, Meta(pattern=f"^{FUNCTION_NAME}$")]
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    parameters: Raw = Raw()  # a JSON Schema of the arguments object
     strict: bool | None = None  # forced calls always keep to the schema
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(_Body, kw_only=True):
     type: Literal["function"]
     function: FunctionDefinition
 
+    def as_dict(self, index: int) -> dict[str, Any]:
+        """The tool as the chat template gets it, its parameters parsed (bounded first)."""
+        function = self.function
+        described: dict[str, Any] = {"name": function.name}
+        if function.description is not None:
+            described["description"] = function.description
+        if _present(function.parameters):
+            field = f"tools.{index}.function.parameters"
+            parameters = json.loads(_raw_json(function.parameters, field))
+            if not isinstance(parameters, dict):
+                raise ValidationError(field, "must be a JSON Schema object")
+            described["parameters"] = parameters
+        if function.strict is not None:
+            described["strict"] = function.strict
+        return {"type": "function", "function": described}
 
-class FunctionName(_Body):
+
+class FunctionName(_Body, kw_only=True):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(_Body, kw_only=True):
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: int | None = None  # unset: up to the context limit
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -282,7 +368,7 @@ class ChatCompletionRequest(_Sampling):
             if self.tool_choice not in (None, "none", "auto"):
                 raise ValidationError("tool_choice", "needs tools")
             return None
-        tools = tuple(tool.model_dump(exclude_none=True) for tool in self.tools)
+        tools = tuple(tool.as_dict(i) for i, tool in enumerate(self.tools))
         choice = self.tool_choice or "auto"
         if isinstance(choice, NamedToolChoice):
             return ToolUse(tools, "function", choice.function.name, self.parallel, parser)
@@ -312,13 +398,13 @@ class ChatCompletionRequest(_Sampling):
         return params
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     tokens: list[int]

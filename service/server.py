@@ -173,8 +173,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self.OPEN_SERVICES):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if authorized(metadata.get("authorization"), self.api_key):
+        metadata = handler_call_details.invocation_metadata or ()
+        keys = [value for key, value in metadata if key == "authorization"]
+        if authorized(keys, self.api_key):
             return handler
 
         async def deny(request, context):

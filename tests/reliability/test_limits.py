@@ -247,13 +247,14 @@ async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
     for response, status, param in (
         # echo decoded token ids before the engine checked them: OverflowError, 500
         (await http.post("/v1/completions", json={"prompt": [-1], "echo": True}), 400, "prompt"),
-        # a lone surrogate ("\ud800" is valid JSON) reached the tokenizer: TypeError, 500
+        # a lone surrogate ("\ud800", no character) reached the tokenizer: TypeError, 500;
+        # JSON as RFC 8259 has it refuses the body
         (
             await http.post(
                 "/v1/completions", content=json.dumps({"prompt": ["\ud800"]}), headers=as_json
             ),
             400,
-            "prompt",
+            "body",
         ),
         (
             await http.post("/v1/completions", content=b'{"prompt": "\xff"}', headers=as_json),
@@ -264,11 +265,11 @@ async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
         (await http.post("/v1/completions", content=b"[1, 2]", headers=as_json), 400, "body"),
         (await http.post("/v1/completions", content=b'{"prompt": "x"}'), 400, "body"),  # no type
         (await http.post("/v1/completions", json={"prompt": {"a": 1}}), 400, "prompt"),
-        # a dict key in the error's path: quoted, not run into the field's name
+        # logit_bias is refused whole, whatever it holds: its entries are never built
         (
             await http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"": "?"}}),
             400,
-            "logit_bias.''",
+            "logit_bias",
         ),
         (await http.get("/v1/nope"), 404, None),
         (await http.get("/v1/completions"), 405, None),
