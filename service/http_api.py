@@ -70,7 +70,7 @@ from service.tls import TlsFiles
 T = TypeVar("T")
 RETRY_AFTER_SECONDS = "1"  # HTTP's Retry-After counts whole seconds
 # A client has this long to send a request's headers, and again its body: one that trickles
-# them (slowloris) is cut off, not left holding a connection.
+# them (slowloris) is cut off, not left holding a connection (ServerConfig.http_read_timeout).
 READ_TIMEOUT_SECONDS = 30.0
 _DONE = "data: [DONE]\n\n"
 _FINISH_REASONS = {

@@ -5,7 +5,8 @@ Decoding checks each value's type as it parses: the first wrong one ends it with
 naming its field, before the rest of the body is read. Fields this server does not know
 are skipped unbuilt, and free-form JSON (a response schema, a tool's parameters,
 logit_bias) stays the raw text it came as: a schema goes to the grammar compiler as that
-text, so no body of any shape costs more than its parse. The values' ranges are
+text, and an array holds at most as many entries as its field takes (at_most): so no
+body of any shape costs more than a pass over its bytes. The values' ranges are
 SamplingParams.validate's, the same check gRPC requests pass through. Fields we cannot
 honour (logit_bias, suffix, ...) are refused rather than silently dropped.
 
@@ -15,21 +16,25 @@ surrogate ("\\ud800", which is no character), make a body invalid.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Raw
 
-from engine.constraints import MAX_SPEC_CHARS, Constraint
+from engine.constraints import MAX_CHOICES, MAX_SPEC_CHARS, Constraint
 from engine.errors import ValidationError
-from engine.sampling_params import SamplingParams
-from engine.tool_calls import FUNCTION_NAME, ToolUse
+from engine.prompts import MAX_CHAT_MESSAGES
+from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.tool_calls import FUNCTION_NAME, MAX_TOOLS, ToolUse
 
 # Prompts in one completions request (each is an engine request; past the queue's room they
 # get 429), bounded before any is encoded.
 MAX_PROMPTS = 1024
+MAX_PARTS = 4096  # text parts of one message's content
 
 Body = TypeVar("Body", bound="_Body")
 
@@ -54,12 +59,13 @@ _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]|\[\.\.\.\]")
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
 
 
-def _field_error(message: str) -> ValidationError:
+def _field_error(message: str, field: str = "") -> ValidationError:
     """msgspec's "Expected `int`, got `str` - at `$.prompt[0][0]`" as
-    "prompt.0.0: expected int, got str"."""
+    "prompt.0.0: expected int, got str"; for a field decoded on its own, `field` names it."""
     match = _AT.match(message)
     text, path = match["message"], match["path"] or ""
     parts = [name or index for name, index in _PATH_PART.findall(path) if name or index]
+    parts = [field, *parts] if field else parts
     if missing := _MISSING.match(text):
         parts.append(missing["name"])
         text = "is required"
@@ -91,6 +97,42 @@ def _present(raw: Raw) -> bool:
     return len(raw) > 0 and bytes(raw) != b"null"
 
 
+class _Array(msgspec.Struct, array_like=True):
+    """A JSON array of at most some number of entries (at_most() makes one): a Sequence of
+    them. msgspec checks a list's length only once it is built (five million [] in 15 MB:
+    1.5 s and 28x the body's size), so this is an array-like Struct of that many optional
+    fields, which takes the entries in order, one more field that says there were more,
+    and the rest skipped unbuilt."""
+
+    def __post_init__(self) -> None:
+        if len(self.more) > 0:  # msgspec names the field in the error it makes of this
+            raise ValueError(f"at most {len(self.__struct_fields__) - 1} entries")
+
+    def _entries(self) -> tuple[Any, ...]:
+        entries = msgspec.structs.astuple(self)[:-1]
+        end = entries.index(msgspec.UNSET) if msgspec.UNSET in entries else len(entries)
+        return entries[:end]
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._entries())
+
+    def __getitem__(self, index: int) -> Any:
+        return self._entries()[index]
+
+
+@functools.cache
+def at_most(entry: Any, count: int) -> type[_Array]:
+    """The type of a JSON array of `entry`s that refuses more than `count` of them."""
+    fields = [(f"e{i}", entry | msgspec.UnsetType, msgspec.UNSET) for i in range(count)]
+    name = f"AtMost{count}"
+    return msgspec.defstruct(
+        name, [*fields, ("more", Raw, Raw())], bases=(_Array,), array_like=True
+    )
+
+
 class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
 
@@ -116,7 +158,7 @@ class StructuredOutputs(_Body, kw_only=True):
     json_object: bool | None = None
     regex: str | None = None
     grammar: str | None = None
-    choice: list[str] | None = None
+    choice: at_most(str, MAX_CHOICES) | None = None
 
     def constraint(self) -> Constraint:
         given = [
@@ -153,7 +195,7 @@ class _Sampling(_Body, kw_only=True):
 
     model: str | None = None
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: str | at_most(str, MAX_STOP_STRINGS) | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -169,7 +211,7 @@ class _Sampling(_Body, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: at_most(int, MAX_STOP_TOKEN_IDS) | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int = 0
@@ -206,7 +248,7 @@ class _Sampling(_Body, kw_only=True):
         for name in self.COPIED:
             value = getattr(self, name)
             if value is not None:
-                setattr(params, name, value)
+                setattr(params, name, list(value) if isinstance(value, _Array) else value)
         if self.stop is not None:
             params.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         params.constraint = self._constraint()
@@ -240,7 +282,9 @@ class _Sampling(_Body, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     # Text, texts, token ids or token-id lists: one kind (prompts() checks), each entry
     # typed as it is parsed, so a wrong one ends the parse at once.
-    prompt: str | list[int | str | list[int]]
+    # Text, texts, token ids or token-id lists: told apart by the first entry and decoded
+    # as that kind (prompts()), so a wrong entry ends the decode at once.
+    prompt: Raw
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
@@ -249,19 +293,17 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
+        raw = bytes(self.prompt)
+        kind = _prompt_kind(raw)
+        try:
+            prompt = msgspec.json.decode(raw, type=kind)
+        except msgspec.ValidationError as exc:
+            raise _field_error(str(exc), "prompt") from None
+        if kind is str:
             return [prompt]
         if not prompt:
             raise ValidationError("prompt", "must not be empty")
-        kinds = {type(p) for p in prompt}
-        if kinds == {int}:
-            return [prompt]
-        if len(kinds) > 1:
-            raise ValidationError(
-                "prompt", "give text, texts, token ids or token-id lists, not a mix of them"
-            )
-        return list(prompt)
+        return [prompt] if kind is _TOKEN_IDS else list(prompt)
 
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
@@ -272,6 +314,22 @@ class CompletionRequest(_Sampling, kw_only=True):
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs
         return params
+
+
+_TOKEN_IDS = list[int]  # a prompt's ids: bounded by the body's size, checked by the engine
+
+
+def _prompt_kind(raw: bytes) -> Any:
+    """The type a completions prompt is decoded as, by its first character and its first
+    entry's: text, texts, token-id lists or token ids."""
+    if raw[:1] == b"[":
+        first = raw[1:].lstrip()[:1]
+        if first == b'"':
+            return at_most(str, MAX_PROMPTS)
+        if first == b"[":
+            return at_most(_TOKEN_IDS, MAX_PROMPTS)
+        return _TOKEN_IDS
+    return str
 
 
 class TextPart(_Body, kw_only=True):
@@ -294,16 +352,16 @@ class MessageToolCall(_Body, kw_only=True):
 
 class ChatMessage(_Body, kw_only=True):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | at_most(TextPart, MAX_PARTS) | None = None
     # What chat templates read besides role and content; other fields are skipped.
     name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None
+    tool_calls: at_most(MessageToolCall, MAX_TOOLS) | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, _Array):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content}
         for name in ("name", "tool_call_id", "reasoning_content"):
@@ -352,12 +410,12 @@ class NamedToolChoice(_Body, kw_only=True):
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: at_most(ChatMessage, MAX_CHAT_MESSAGES)
     max_tokens: int | None = None  # unset: up to the context limit
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: at_most(ToolDefinition, MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
@@ -401,7 +459,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class TokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: at_most(ChatMessage, MAX_CHAT_MESSAGES) | None = None
     add_special_tokens: bool = True
 
 

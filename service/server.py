@@ -80,6 +80,8 @@ class ServerConfig:
     otlp_endpoint: str | None = None  # e.g. http://collector:4317 (otlp only)
     http_host: str = "127.0.0.1"
     http_port: int | None = None  # the OpenAI-compatible REST shim; None: off
+    # Seconds a REST client has to send a request's headers, and again its body.
+    http_read_timeout: float = 30.0
     # Callers must send "Authorization: Bearer <key>" (REST header, gRPC metadata); None: off.
     api_key: str | None = field(default=None, repr=False)  # never in logs
     # TLS on the gRPC port and the REST shim (PEM files); with a client CA, mTLS: callers
@@ -110,6 +112,10 @@ class ServerConfig:
         if not 0 <= self.drain_seconds < math.inf:
             raise ValidationError(
                 "drain_seconds", f"must be a finite number >= 0, got {self.drain_seconds}"
+            )
+        if not 0 < self.http_read_timeout < math.inf:
+            raise ValidationError(
+                "http_read_timeout", f"must be a finite number > 0, got {self.http_read_timeout}"
             )
         if not 0 < self.engine_stall_seconds < math.inf:
             raise ValidationError(
@@ -533,6 +539,7 @@ async def start_server(config: ServerConfig) -> Server:
             config.api_key,
             tls=config.tls,
             max_body_bytes=config.max_message_bytes,  # one size limit for both doors
+            read_timeout=config.http_read_timeout,
         )
     return Server(
         grpc_server,

@@ -218,6 +218,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _setting(
         "server",
+        "http_read_timeout",
+        "seconds a REST client has to send a request's headers, and again its body; one "
+        "slower is cut off (a body: 408)",
+    ),
+    _setting(
+        "server",
         "api_key",
         "callers must send Authorization: Bearer <key> (REST header, gRPC metadata; health "
         "and reflection stay open); unset: no key. Prefer the env var to the flag",

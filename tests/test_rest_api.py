@@ -146,6 +146,23 @@ async def test_logprobs_both_apis(rest):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
 
 
+async def test_legacy_logprobs_list_the_sampled_token_among_the_top_ones(rest):
+    # OpenAI's completions API: top_logprobs holds the top N and, where it is not among
+    # them, the sampled token (up to N + 1 entries); chat's holds the top N only.
+    client = rest[0]
+    result = await client.completions.create(
+        model="tiny", prompt="hello", max_tokens=48, logprobs=1, temperature=2.0, seed=7
+    )
+    logprobs = result.choices[0].logprobs
+    pairs = list(zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs))
+    for token, logprob, top in pairs:
+        assert token in top and top[token] == pytest.approx(logprob), (token, top)
+        assert 1 <= len(top) <= 2, top
+    # At temperature 2 the sampled token is often not the most likely: those positions
+    # are where the sampled token had to be added.
+    assert any(len(top) == 2 for _, _, top in pairs), pairs
+
+
 async def test_stop_string_ends_the_text_before_it(rest):
     client, _, _, _ = rest
     full = (await client.completions.create(prompt="hello", max_tokens=16, **GREEDY)).choices[0]

@@ -149,6 +149,26 @@ async def test_every_kind_of_constraint_holds_on_both_doors(doors) -> None:
     assert text in ("yes", "no") or (text[:-1] == "maybe " and text[-1].isdigit())
 
 
+async def test_a_schema_of_25000_choices_is_taken_by_both_doors(doors) -> None:
+    # Both doors bound a schema by its size (MAX_SPEC_CHARS), not by how many entries its
+    # JSON holds: REST once refused lists over 4,096 entries anywhere in a body.
+    client, stub, _, _ = doors
+    schema = {"enum": [f"v{i}" for i in range(25_000)]}
+    rest = await client.completions.create(
+        prompt="pick",
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "v", "schema": schema},
+            }
+        },
+        **GREEDY,
+    )
+    assert json.loads(rest.choices[0].text) in schema["enum"]
+    grpc_answer = await stub.Generate(greedy_grpc(text="pick", json_schema=json.dumps(schema)))
+    assert json.loads(grpc_answer.candidates[0].text) in schema["enum"]
+
+
 async def test_sampled_candidates_each_keep_to_the_schema(doors) -> None:
     client, *_ = doors
     answer = await client.chat.completions.create(

@@ -5,14 +5,14 @@ slows it) sends, one after another, a normal 8-token Generate over gRPC and, bes
 readiness health check every 0.1 s, timing each. `PaceProbe` runs it for the time an
 attack runs; `measure_pace` runs it alone first, for the baseline the attack is held to:
 
-    baseline = measure_pace(server.target, seconds=3)
+    baseline = measure_pace(server.target, seconds=3)  # api_key= for a server with one
     with PaceProbe(server.target) as probe:
         attack()
     probe.pace.assert_kept(baseline)
 
 Run directly it prints the pace it measured as JSON:
 
-    python -m tests.reliability.pace 127.0.0.1:50051 --seconds 5
+    python -m tests.reliability.pace 127.0.0.1:50051 --seconds 5 [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -83,12 +83,15 @@ class Pace:
 class PaceProbe:
     """The probe process, from `with` to its end; its Pace is `pace` after the block."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, api_key: str | None = None) -> None:
         self.target = target
+        self.api_key = api_key
         self.pace: Pace | None = None
 
     def __enter__(self) -> PaceProbe:
         command = [sys.executable, "-m", "tests.reliability.pace", self.target]
+        if self.api_key is not None:
+            command += ["--api-key", self.api_key]
         self.proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -106,15 +109,16 @@ class PaceProbe:
         self.pace = Pace(**json.loads(out))
 
 
-def measure_pace(target: str, seconds: float) -> Pace:
+def measure_pace(target: str, seconds: float, api_key: str | None = None) -> Pace:
     """The pace of an unattacked server over `seconds`."""
-    with PaceProbe(target) as probe:
+    with PaceProbe(target, api_key) as probe:
         time.sleep(seconds)
     return probe.pace
 
 
-def _probe(target: str, stop: threading.Event) -> Pace:
+def _probe(target: str, stop: threading.Event, api_key: str | None) -> Pace:
     pace = Pace([], [])
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key is not None else None
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[5, 17, 42, 9, 33, 71]),
         sampling=pb.SamplingOptions(temperature=0.0),
@@ -138,14 +142,14 @@ def _probe(target: str, stop: threading.Event) -> Pace:
 
     with grpc.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        stub.Generate(request, timeout=60)  # connected and warm before it says ready
+        stub.Generate(request, timeout=60, metadata=metadata)  # connected and warm first
         print("ready", flush=True)
         health = threading.Thread(target=health_loop)
         health.start()
         while not stop.is_set():
             started = time.perf_counter()
             try:
-                stub.Generate(request, timeout=60)
+                stub.Generate(request, timeout=60, metadata=metadata)
                 pace.request_seconds.append(time.perf_counter() - started)
             except grpc.RpcError:
                 pace.request_seconds.append(None)
@@ -157,12 +161,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="time normal requests and health checks")
     parser.add_argument("target")
     parser.add_argument("--seconds", type=float, default=None, help="unset: until SIGINT")
+    parser.add_argument("--api-key", default=None, help="the server's API key, if it has one")
     args = parser.parse_args()
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.seconds is not None:
         threading.Timer(args.seconds, stop.set).start()
-    pace = _probe(args.target, stop)
+    pace = _probe(args.target, stop, args.api_key)
     print(
         json.dumps({"request_seconds": pace.request_seconds, "health_seconds": pace.health_seconds})
     )
