@@ -49,6 +49,7 @@ from service.front_door import (
     ServiceUnavailable,
     UnknownModel,
     authorized,
+    unauthenticated_message,
 )
 from service.openai_schema import (
     MAX_PROMPTS,
@@ -177,12 +178,12 @@ def create_app(
         return ApiError(exc.status_code, message, param=param, headers=exc.headers).response()
 
     async def require_key(request: Request) -> None:
-        if not authorized(request.headers.get("authorization"), api_key):
+        if not authorized(request.headers.getlist("authorization"), api_key):
             if request.url.path in GENERATION_PATHS:  # counted like the handlers' outcomes
                 service.metrics.rpc_finished(request.url.path, grpc.StatusCode.UNAUTHENTICATED)
             raise ApiError(
                 401,
-                "missing or wrong API key (Authorization: Bearer <key>)",
+                unauthenticated_message(request.headers.getlist("authorization")),
                 "authentication_error",
                 code="invalid_api_key",
             )
