@@ -147,18 +147,22 @@ class AsyncInferenceClient(_Connection):
                     raise
                 await asyncio.sleep(self._retry.delay(attempt, error))
 
-    async def cancel(self, request_id: str) -> bool:
-        answer = await self._stub.Cancel(
-            pb.CancelRequest(request_id=request_id), metadata=self._metadata
-        )
+    async def cancel(self, request_id: str, timeout: float | None = None) -> bool:
+        """Whether a live request of this caller's had the id (and is now cancelled)."""
+        request = pb.CancelRequest(request_id=request_id)
+        answer = await self._stub.Cancel(request, timeout=timeout, metadata=self._metadata)
         return answer.cancelled
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True, timeout: float | None = None
+    ) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self._stub.Tokenize(request, metadata=self._metadata)).token_ids)
+        answer = await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        return list(answer.token_ids)
 
-    async def model_info(self) -> pb.ModelInfo:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
+    async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        request = pb.GetModelInfoRequest()
+        return await self._stub.GetModelInfo(request, timeout=timeout, metadata=self._metadata)
 
 
 class InferenceClient(_Connection):
@@ -204,14 +208,18 @@ class InferenceClient(_Connection):
                     raise
                 time.sleep(self._retry.delay(attempt, error))
 
-    def cancel(self, request_id: str) -> bool:
-        return self._stub.Cancel(
-            pb.CancelRequest(request_id=request_id), metadata=self._metadata
-        ).cancelled
+    def cancel(self, request_id: str, timeout: float | None = None) -> bool:
+        """Whether a live request of this caller's had the id (and is now cancelled)."""
+        request = pb.CancelRequest(request_id=request_id)
+        return self._stub.Cancel(request, timeout=timeout, metadata=self._metadata).cancelled
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special_tokens: bool = True, timeout: float | None = None
+    ) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self._stub.Tokenize(request, metadata=self._metadata).token_ids)
+        answer = self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
+        return list(answer.token_ids)
 
-    def model_info(self) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata)
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        request = pb.GetModelInfoRequest()
+        return self._stub.GetModelInfo(request, timeout=timeout, metadata=self._metadata)

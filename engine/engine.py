@@ -25,7 +25,7 @@ import numpy as np
 from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ValidationError
+from engine.errors import DuplicateRequest
 from engine.grammar import GrammarCompiler, MaskFill, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
@@ -124,7 +124,7 @@ class LLMEngine:
         makes each candidate's mask of the tokens it may sample; else params.constraint's
         is compiled here, waiting (the engine loop compiles before it admits)."""
         if request_id in self.requests:
-            raise ValidationError("request_id", f"{request_id!r} is already running")
+            raise DuplicateRequest("request_id", "another request with this id is running")
         validate_request(params, priority, self.model_config.vocab_size)
         # Here for every request: a caller may hand over ids it built itself.
         max_tokens = self.prompts.check(prompt_token_ids, params.max_tokens)

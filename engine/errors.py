@@ -16,6 +16,11 @@ class ValidationError(EngineError, ValueError):
         return type(self), (self.field, self.message)
 
 
+class DuplicateRequest(ValidationError):
+    """A request with this id is already running: an id names one live request at a time.
+    The doors answer it apart from other invalid values (gRPC ALREADY_EXISTS)."""
+
+
 class EngineOverloaded(EngineError):
     """A bounded resource is full (the request queue, the grammar compiler's threads); retry
     later."""

@@ -17,6 +17,7 @@ from typing import NoReturn
 import grpc
 
 from engine.errors import EngineError
+from service.client_commands import add_client_commands
 from service.settings import (
     CONFIG_ENV,
     ConfigError,
@@ -108,36 +109,6 @@ def cmd_warmup(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_client_generate(args: argparse.Namespace, settings: Settings) -> int:
-    from google.protobuf.json_format import MessageToJson
-
-    from clients.client import InferenceClient
-    from pagedserve.v1 import inference_pb2 as pb
-
-    request = pb.GenerateRequest(
-        text=args.prompt,
-        sampling=pb.SamplingOptions(temperature=args.temperature),
-        stopping=pb.StoppingOptions(max_tokens=args.max_tokens),
-    )
-    if args.seed is not None:
-        request.sampling.seed = args.seed
-    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    tls = dict(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
-    try:
-        client = InferenceClient(args.target, api_key=api_key, **tls)
-    except (OSError, ValueError) as exc:  # a TLS file missing, or a certificate without key
-        raise ConfigError(f"client TLS: {exc}") from None
-    with client:
-        if args.stream:
-            for message in client.stream(request, timeout=args.timeout):
-                print(message.text, end="", flush=True)
-            print()
-        else:
-            response = client.generate(request, timeout=args.timeout)
-            print(MessageToJson(response) if args.json else response.candidates[0].text)
-    return 0
-
-
 def cmd_models_pull(args: argparse.Namespace, settings: Settings) -> int:
     from engine.model_store import pull_default_model
 
@@ -187,25 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_args(warm, "engine", "server", "log")
     warm.set_defaults(func=cmd_warmup)
 
-    client = sub.add_parser("client", help="call a running server")
-    client_sub = client.add_subparsers(dest="client_command", required=True)
-    cgen = client_sub.add_parser("generate", help="Generate / StreamGenerate one prompt")
-    cgen.add_argument("--target", default="localhost:50051")
-    cgen.add_argument("--prompt", required=True)
-    cgen.add_argument("--max-tokens", type=int, default=64)
-    cgen.add_argument("--temperature", type=float, default=0.0)
-    cgen.add_argument("--seed", type=int, default=None)
-    cgen.add_argument("--stream", action="store_true")
-    cgen.add_argument("--json", action="store_true", help="the whole response as JSON")
-    cgen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
-    cgen.add_argument(
-        "--api-key", default=None, help="the server's API key (default: env PAGEDSERVE_API_KEY)"
-    )
-    cgen.add_argument("--tls", action="store_true", help="TLS, checked against the system CAs")
-    cgen.add_argument("--ca-file", help="TLS, the server's certificate checked against this CA")
-    cgen.add_argument("--cert-file", help="client certificate (PEM) for a server that wants mTLS")
-    cgen.add_argument("--key-file", help="the client certificate's key (PEM)")
-    cgen.set_defaults(func=cmd_client_generate)
+    add_client_commands(sub)
 
     models = sub.add_parser("models", help="the local model cache")
     models_sub = models.add_subparsers(dest="models_command", required=True)
@@ -229,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, EngineError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:
-        print(f"pagedserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except grpc.RpcError as exc:  # a server's refusal, or no server: one line
+        details = " ".join((exc.details() or "").split())
+        print(f"pagedserve: {exc.code().name}: {details}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ message itself are raised here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
@@ -44,6 +46,11 @@ _FINISH_REASONS = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
     FinishReason.CONTEXT_LIMIT: pb.FINISH_REASON_CONTEXT_LIMIT,
 }
+# Where a request's prompt is, by the member of its oneof that carries it, as the request
+# spells it. The engine's checks name a prompt as REST does: prompt, prompt_token_ids or
+# messages.
+_PROMPT_FIELDS = {"text": "text", "chat": "chat.messages", "token_ids": "token_ids.ids"}
+_ENGINE_PROMPT_NAMES = ("prompt", "prompt_token_ids", "messages")
 _TOOL_CHOICES = {
     pb.TOOL_CHOICE_AUTO: "auto",
     pb.TOOL_CHOICE_NONE: "none",
@@ -196,6 +203,8 @@ def tool_use(request: pb.GenerateRequest, parser: str) -> ToolUse | None:
         raise ValidationError("tool_choice", f"unknown value {request.tool_choice}")
     if request.tool_function and choice != "function":
         raise ValidationError("tool_function", "is set only with TOOL_CHOICE_FUNCTION")
+    if choice == "function" and request.tool_function not in (t.name for t in request.tools):
+        raise ValidationError("tool_function", "must be the name of one of tools")
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
     function = request.tool_function or None
     return ToolUse(tuple(tools), choice, function, parallel, parser)
@@ -207,20 +216,32 @@ def prompt_token_ids(
     """The prompt's token ids, whichever of text / chat / token_ids the request carries,
     checked (PromptEncoder.prompt); a chat offered `tools`."""
     kind = _chosen(request, "prompt")
-    if kind == "text":
-        return prompts.prompt(request.text)
-    if kind == "chat":
-        return prompts.prompt(messages=request.chat.messages, as_dict=_message, tools=tools)
-    return prompts.prompt(token_ids=request.token_ids.ids)
+    with _named_as_sent(kind):
+        if kind == "text":
+            return prompts.prompt(request.text)
+        if kind == "chat":
+            return prompts.prompt(messages=request.chat.messages, as_dict=_message, tools=tools)
+        return prompts.prompt(token_ids=request.token_ids.ids)
 
 
 def tokenize_token_ids(request: pb.TokenizeRequest, prompts: PromptEncoder) -> list[int]:
     """The token ids of a Tokenize request's text or chat (PromptEncoder.tokenize)."""
-    if _chosen(request, "input") == "text":
-        return prompts.tokenize(
-            request.text, add_special_tokens=request.add_special_tokens, field="text"
-        )
-    return prompts.tokenize(messages=request.chat.messages, as_dict=_message)
+    kind = _chosen(request, "input")
+    with _named_as_sent(kind):
+        if kind == "text":
+            return prompts.tokenize(request.text, add_special_tokens=request.add_special_tokens)
+        return prompts.tokenize(messages=request.chat.messages, as_dict=_message)
+
+
+@contextlib.contextmanager
+def _named_as_sent(kind: str) -> Iterator[None]:
+    """A ValidationError the engine raises on the prompt names the field the request set."""
+    try:
+        yield
+    except ValidationError as exc:
+        if exc.field not in _ENGINE_PROMPT_NAMES:
+            raise
+        raise ValidationError(_PROMPT_FIELDS[kind], exc.message) from None
 
 
 def _chosen(request: pb.GenerateRequest | pb.TokenizeRequest, oneof: str) -> str:

@@ -1,9 +1,9 @@
 """The rules every front door (gRPC, REST) applies around a generation, in one place so
 the doors agree: whether a warm engine takes work (loading and draining refuse it), whether
 a request names the model served here, whether a caller holds the API key, how a prompt
-is encoded (engine/prompts.py, held to the engine's vocabulary and context), which format
-the model writes tool calls in, which calls
-are in flight for a drain to wait on, and what log_requests writes."""
+is encoded (engine/prompts.py, held to the engine's vocabulary and context), what a
+request id may be, which format the model writes tool calls in, which calls are in flight
+for a drain to wait on, and what log_requests writes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineError
+from engine.errors import EngineError, ValidationError
 from engine.prompts import PromptEncoder
 from engine.tool_calls import detect_parser
 from service.metrics import ServerMetrics
@@ -25,6 +25,13 @@ request_log = logging.getLogger("service.requests")
 # The largest request (and unary response) either door takes: gRPC's message limit.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
+# A caller's request id is repeated in every message of its stream and quoted in errors and
+# logs: bounded, and visible ASCII (no newline to forge a log line with).
+MAX_REQUEST_ID_CHARS = 128
+
+# The most of a caller's string an error message quotes.
+MAX_QUOTED_CHARS = 64
+
 
 class ServiceUnavailable(EngineError):
     """No warm engine to take new work: still loading, or draining. Retry elsewhere."""
@@ -34,18 +41,49 @@ class UnknownModel(EngineError):
     """The request names a model this server does not serve."""
 
 
-def authorized(headers: Sequence[str], api_key: str | None) -> bool:
-    """Whether the Authorization values a call carries hold the key (always, when no key is
-    set). Exactly one value: with two, a proxy and the server could each read another."""
+def authorized(values: Sequence[str], api_key: str | None) -> bool:
+    """Whether the Authorization values a caller sent (every one, in order) carry the key:
+    exactly one, `Bearer <key>`. Always true when no key is set."""
     if api_key is None:
         return True
-    if len(headers) != 1:
+    if len(values) != 1:  # two would leave each door to pick one: neither does
         return False
-    scheme, _, token = headers[0].partition(" ")
+    scheme, _, token = values[0].partition(" ")
     # Constant-time, so the answer's timing does not leak how much of a guess was right.
     return scheme.lower() == "bearer" and hmac.compare_digest(
         token.strip().encode(), api_key.encode()
     )
+
+
+def unauthenticated_message(values: Sequence[str]) -> str:
+    """Why authorized() refused these values, in the words of both doors."""
+    if len(values) > 1:
+        return f"authorization: exactly one value is allowed, got {len(values)}"
+    return "authorization: missing or wrong API key (Bearer <key>)"
+
+
+def check_request_id(request_id: str) -> None:
+    """ValidationError unless request_id is 1 to MAX_REQUEST_ID_CHARS visible ASCII
+    characters (! to ~). The message never quotes the id."""
+    if not request_id:
+        raise ValidationError("request_id", "must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValidationError(
+            "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+        )
+    for i, char in enumerate(request_id):
+        if not "!" <= char <= "~":
+            raise ValidationError(
+                "request_id", f"character {i} is U+{ord(char):04X}; use visible ASCII (! to ~)"
+            )
+
+
+def quoted(text: str) -> str:
+    """A caller's string for an error message: repr'd, and cut short past MAX_QUOTED_CHARS,
+    so that no message grows with what a caller sent."""
+    if len(text) <= MAX_QUOTED_CHARS:
+        return repr(text)
+    return f"{text[:MAX_QUOTED_CHARS]!r}... ({len(text)} characters)"
 
 
 class FrontDoor:
@@ -81,7 +119,7 @@ class FrontDoor:
         """UnknownModel unless `name` is empty or the model served here."""
         if name and name != self.model_name:
             raise UnknownModel(
-                f"model: {name!r} is not served here (this server serves {self.model_name!r})"
+                f"model: {quoted(name)} is not served here (this server serves {self.model_name!r})"
             )
 
     def prompts(self, engine: AsyncEngine) -> PromptEncoder:

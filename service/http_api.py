@@ -54,6 +54,7 @@ from service.front_door import (
     ServiceUnavailable,
     UnknownModel,
     authorized,
+    unauthenticated_message,
 )
 from service.openai_schema import (
     MAX_PROMPTS,
@@ -178,7 +179,7 @@ def create_app(
                 service.metrics.rpc_finished(request.url.path, grpc.StatusCode.UNAUTHENTICATED)
             raise ApiError(
                 401,
-                "missing or wrong API key (exactly one Authorization: Bearer <key>)",
+                unauthenticated_message(request.headers.getlist("authorization")),
                 "authentication_error",
                 code="invalid_api_key",
             )

@@ -29,7 +29,7 @@ from engine.async_engine import AsyncEngine, EngineStopped, EngineThread
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.engine_process import EngineProcess
-from engine.errors import EngineOverloaded, ModelLoadError, ValidationError
+from engine.errors import DuplicateRequest, EngineOverloaded, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
 from engine.prompts import PromptEncoder
 from engine.request_stream import RequestStream, StreamOverflow
@@ -43,7 +43,9 @@ from service.front_door import (
     ServiceUnavailable,
     UnknownModel,
     authorized,
+    check_request_id,
     request_log,
+    unauthenticated_message,
 )
 from service.metrics import ServerMetrics, process_age, rpc_status
 from service.tls import TlsFiles, caller_scope, check_tls_files, read_pem
@@ -165,9 +167,10 @@ async def refuse(
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for calls without `authorization: Bearer <key>` metadata; health
-    checks and reflection stay open, so Kubernetes probes and grpcurl need no key.
-    Refusals are counted in the RPC metric (refuse())."""
+    """UNAUTHENTICATED for calls without exactly one `authorization: Bearer <key>` metadata
+    entry (front_door.authorized, the REST door's rule too); health checks and reflection
+    stay open, so Kubernetes probes and grpcurl need no key. Refusals are counted in the
+    RPC metric (refuse())."""
 
     OPEN_SERVICES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/")
 
@@ -180,13 +183,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(self.OPEN_SERVICES):
             return handler
         metadata = handler_call_details.invocation_metadata or ()
-        keys = [value for key, value in metadata if key == "authorization"]
-        if authorized(keys, self.api_key):
+        values = [value for key, value in metadata if key == "authorization"]
+        if authorized(values, self.api_key):
             return handler
 
         async def deny(request, context):
             rpc = handler_call_details.method.rpartition("/")[2]
-            message = "missing or wrong API key (authorization: Bearer)"
+            message = unauthenticated_message(values)
             await refuse(self.metrics, rpc, context, grpc.StatusCode.UNAUTHENTICATED, message)
 
         make = (
@@ -315,6 +318,10 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         with self._observed("Cancel", context):
+            try:
+                check_request_id(request.request_id)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if self.engine is None:  # a draining server still cancels: that only frees work
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
             # Only the caller's own requests: under mTLS another caller's equal id is another
@@ -377,15 +384,16 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
         request_id = request.request_id or uuid.uuid4().hex  # 122 random bits: unguessable
         engine_id = engine_request_id(caller_scope(context), request_id)
         try:
+            check_request_id(request_id)
             self.check_model(request.model)
             tools = convert.tool_use(request, self.tool_parser(engine))
             params = convert.sampling_params(request, tools)
             token_ids = convert.prompt_token_ids(request, self.prompts(engine), tools)
             stream = await engine.submit(engine_id, token_ids, params, request.priority, door)
+        except DuplicateRequest:  # the caller's own request with this id is running
+            message = f"request_id: {request_id!r} is already running; cancel it or pick another"
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
         except ValidationError as exc:
-            if exc.field == "request_id":  # the caller's own request with this id is running
-                message = f"request_id: {request_id!r} is already running"
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineOverloaded as exc:
             context.set_trailing_metadata((("retry-after-ms", RETRY_AFTER_MS),))

@@ -106,3 +106,62 @@ def test_warmup_builds_the_engine_warms_it_up_and_exits(tiny_model, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "warm-up done" in done.stdout and str(cache) in done.stdout
     assert (cache / "triton").is_dir()  # pointed at, before anything could compile
+
+
+# ---- pagedserve client: flag values ----------------------------------------------------------
+
+
+def test_client_bad_flag_value_is_one_line_and_exit_2_in_a_real_process():
+    command = [sys.executable, "-m", "service.cli", "client", "generate", "--prompt", "x"]
+    done = subprocess.run(
+        command + ["--max-tokens", "-5"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "pagedserve: error: argument --max-tokens: must be in [1, 4294967295], got -5\n"
+    )
+
+
+P = ["--prompt", "x"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["generate", *P, "--max-tokens", "x"],
+            "argument --max-tokens: must be an integer, got 'x'",
+        ),
+        (["generate", *P, "--max-tokens", "4294967296"], "argument --max-tokens: must be in [1, "),
+        (["generate", *P, "--temperature", "nan"], "argument --temperature: must be a finite"),
+        (["generate", *P, "--seed", str(2**63)], "argument --seed: must be in [-922337203685477"),
+        (["generate", *P, "--timeout", "0"], "argument --timeout: must be > 0 seconds, got 0"),
+        (["model-info", "--timeout", "-1"], "argument --timeout: must be > 0 seconds, got -1"),
+        (["tokenize", "--prompt-file", "/no/such/file"], "cannot read /no/such/file: No such"),
+        (["generate", *P, "--prompt-file", __file__], "not allowed with argument --prompt"),
+        (["generate"], "one of the arguments --prompt --prompt-file is required"),
+        (["cancel"], "the following arguments are required: request_id"),
+    ],
+)
+def test_client_bad_flag_values_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["client", *argv, "--target", "127.0.0.1:1"])
+    assert done.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("pagedserve: error: ") and message in line, line
+
+
+def test_client_prompt_file_that_is_not_utf8_and_a_key_that_cannot_be_sent(tmp_path, capsys):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(SystemExit) as done:
+        main(["client", "tokenize", "--prompt-file", str(binary)])
+    assert done.value.code == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    argv = ["client", "model-info", "--target", "127.0.0.1:1", "--api-key", "clé"]
+    assert main(argv) == 2  # before any call: gRPC would refuse the header itself
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (
+        line
+        == "pagedserve: error: --api-key: must be visible ASCII (! to ~): it travels in a header"
+    )

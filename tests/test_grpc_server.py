@@ -163,11 +163,25 @@ INVALID_REQUESTS = [  # (field the message must name, request)
     ("stop_token_ids", dict(text="x", stopping=pb.StoppingOptions(stop_token_ids=[10**6]))),
     ("logprobs", dict(text="x", output=pb.OutputOptions(logprobs=21))),
     ("prompt_logprobs", dict(text="x", output=pb.OutputOptions(prompt_logprobs=21))),
-    ("prompt_token_ids", dict(token_ids=pb.TokenIds(ids=[1, 10**6]))),
-    ("prompt", dict(token_ids=pb.TokenIds(ids=[]))),
-    ("prompt", dict(token_ids=pb.TokenIds(ids=[1] * 600))),
+    # The prompt's errors name the field of the prompt oneof that carried it (the engine
+    # calls them prompt, prompt_token_ids and messages, as REST does), or the oneof if none.
+    ("token_ids.ids", dict(token_ids=pb.TokenIds(ids=[1, 10**6]))),
+    ("token_ids.ids", dict(token_ids=pb.TokenIds(ids=[]))),
+    ("token_ids.ids", dict(token_ids=pb.TokenIds(ids=[1] * 600))),
+    ("text", dict(text="hello " * 4000)),
+    ("text", dict(text="hello " * 300)),  # encodes fine, then too long for the context
     ("prompt", dict()),
-    ("messages", dict(chat=pb.ChatMessages(messages=[]))),
+    ("chat.messages", dict(chat=pb.ChatMessages(messages=[]))),
+    ("chat.messages", dict(chat=pb.ChatMessages(messages=[pb.ChatMessage()] * 4097))),
+    (
+        "tool_function",
+        dict(
+            chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user")]),
+            tools=[pb.Tool(name="f")],
+            tool_choice=pb.TOOL_CHOICE_FUNCTION,
+            tool_function="g",
+        ),
+    ),
 ]
 
 
@@ -239,6 +253,14 @@ async def test_tokenize_model_info_health_and_reflection(server):
         await stub.Tokenize(pb.TokenizeRequest())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == "input: set one of text or chat"
+    for fields, field in (
+        (dict(text="hello " * 4000), "text"),
+        (dict(chat=pb.ChatMessages()), "chat.messages"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # its own fields (was "messages")
+            await stub.Tokenize(pb.TokenizeRequest(**fields))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{field}: "), err.value.details()
     info = await stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.architecture == "LlamaForCausalLM" and info.kv_num_blocks == 128
     assert info.max_context_length == core.info.max_model_len

@@ -301,12 +301,9 @@ def fields_set(message, out: set[str]) -> set[str]:
     return out
 
 
-# The engine's name for a field -> the request's (gRPC) field it comes from.
-GRPC_NAMES = {
-    "prompt_token_ids": "token_ids",
-    "messages": "chat",
-    "include_stop_str_in_output": "include_stop_str",
-}
+# The engine's name for a field -> the request's (gRPC) field it comes from. (A prompt's
+# errors name the request's own text, chat.messages or token_ids.ids.)
+GRPC_NAMES = {"include_stop_str_in_output": "include_stop_str"}
 GRPC_ALWAYS = {"prompt", "max_tokens"}  # required, or bounded by the context even when unset
 
 

@@ -154,7 +154,7 @@ async def test_prompt_tokens_and_max_tokens_against_the_context(doors):
     await stub.Generate(grpc_request([TOKEN] * (CONTEXT - 1), max_tokens=1))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Generate(grpc_request([TOKEN] * CONTEXT, max_tokens=1))
-    assert err.value.details().startswith("prompt: "), err.value.details()
+    assert err.value.details().startswith("token_ids.ids: "), err.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Generate(grpc_request([TOKEN] * 4, max_tokens=CONTEXT - 3))
     assert err.value.details().startswith("max_tokens: "), err.value.details()
@@ -187,7 +187,8 @@ async def test_chat_message_count_at_both_doors(doors):
                 await call(request)
             details = err.value.details()
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert details.startswith("messages: ") and ("at most" in details) == counted, details
+            assert details.startswith("chat.messages: "), details  # the gRPC field
+            assert ("at most" in details) == counted, details
         # Short, to stay within the body limit: a message with a role only.
         body = json.dumps({"messages": [{"role": "u"}] * count}, separators=(",", ":"))
         for path in ("/v1/chat/completions", "/tokenize"):
@@ -317,11 +318,12 @@ async def test_text_that_cannot_fit_the_context_is_refused_unencoded(tiny_model)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(text=too_long))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert err.value.details().startswith("prompt: ") and "cannot fit" in str(err.value)
+            # Named as the gRPC request spells the field, as Tokenize does below.
+            assert err.value.details().startswith("text: ") and "cannot fit" in str(err.value)
             chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=too_long)])
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(chat=chat))
-            assert err.value.details().startswith("messages: "), err.value.details()
+            assert err.value.details().startswith("chat.messages: "), err.value.details()
             body = {"prompt": too_long, "max_tokens": 2}
             assert_refused(await http.post("/v1/completions", json=body), 400, "prompt")
             body = {"messages": [{"role": "user", "content": too_long}]}
@@ -333,7 +335,7 @@ async def test_text_that_cannot_fit_the_context_is_refused_unencoded(tiny_model)
             assert err.value.details().startswith("text: ") and "cannot fit" in str(err.value)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Tokenize(pb.TokenizeRequest(chat=chat))
-            assert err.value.details().startswith("messages: "), err.value.details()
+            assert err.value.details().startswith("chat.messages: "), err.value.details()
             assert_refused(await http.post("/tokenize", json={"prompt": too_long}), 400, "prompt")
             assert_refused(await http.post("/tokenize", json=body), 400, "messages")
             assert counting.encoded == 0

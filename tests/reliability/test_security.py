@@ -353,6 +353,124 @@ async def test_request_ids_without_client_certificates(tiny_model):
         await kv_back_to_zero(engine)
 
 
+async def rpc_error(call) -> grpc.aio.AioRpcError:
+    """The error a unary call, or a stream read to its end, fails with."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await (read_all(call) if isinstance(call, grpc.aio.UnaryStreamCall) else call)
+    return err.value
+
+
+# Too long, a 1 MB one (it would be repeated in every stream message), and characters
+# outside visible ASCII: a space, a newline (a forged log line), a NUL, a non-ASCII letter.
+BAD_REQUEST_IDS = ["r" * 129, "x" * 1_000_000, "job 1", "job\n1", "\x00", "jöb"]
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+async def test_request_ids_are_bounded_and_a_live_one_is_already_exists(tiny_model, engine_process):
+    """An id of 1 to 128 visible ASCII characters is taken and carried by every message;
+    any other is INVALID_ARGUMENT naming request_id (Generate, StreamGenerate and Cancel
+    alike) in a message that does not quote it. A live id used again is ALREADY_EXISTS,
+    with the engine on a thread or in its own process (the refusal's type crosses it), and
+    the live request runs on untouched."""
+    async with serving(tiny_model, engine_process=engine_process) as (srv, _, engine):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            longest = "~" + "r" * 126 + "!"
+            live = stub.StreamGenerate(
+                pb.GenerateRequest(request_id=longest, text="a", **greedy(60))
+            )
+            first = await live.read()
+            assert first.request_id == longest
+            for call in (stub.Generate, stub.StreamGenerate):
+                again = call(pb.GenerateRequest(request_id=longest, text="b", **greedy(2)))
+                err = await rpc_error(again)
+                assert err.code() == grpc.StatusCode.ALREADY_EXISTS, err.details()
+                assert err.details().startswith(f"request_id: {longest!r} is already running")
+            for bad in BAD_REQUEST_IDS:
+                request = pb.GenerateRequest(request_id=bad, text="c", **greedy(2))
+                calls = [stub.Generate(request), stub.StreamGenerate(request)]
+                for call in [*calls, stub.Cancel(pb.CancelRequest(request_id=bad))]:
+                    err = await rpc_error(call)
+                    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad[:9], err.details())
+                    assert err.details().startswith("request_id: "), err.details()
+                    assert len(err.details()) < 80, err.details()  # the id is not quoted
+            err = await rpc_error(stub.Cancel(pb.CancelRequest()))
+            assert (err.code(), err.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id: must not be empty",
+            )
+            text, ids, reason, tokens = await read_all(live)
+            assert reason == pb.FINISH_REASON_LENGTH and tokens + len(first.token_ids) == 60
+            assert set(ids) == {longest}
+        await kv_back_to_zero(engine)
+
+
+async def test_error_messages_quote_no_more_than_a_bounded_part_of_a_string(tiny_model):
+    """A 1 MB model name or tool_function gets its own status and a short message (one
+    quoting it whole overflowed gRPC's metadata limit: the caller saw RESOURCE_EXHAUSTED)."""
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    cases = [  # (request, code, start of the message)
+        (dict(text="x", model="m" * 1_000_000), grpc.StatusCode.NOT_FOUND, "model: 'mmm"),
+        (
+            dict(
+                chat=chat,
+                tools=[pb.Tool(name="f")],
+                tool_choice=pb.TOOL_CHOICE_FUNCTION,
+                tool_function="g" * 1_000_000,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tool_function: ",
+        ),
+    ]
+    async with serving(tiny_model) as (srv, _, engine):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            for fields, code, start in cases:
+                err = await rpc_error(stub.Generate(pb.GenerateRequest(**fields, **greedy(2))))
+                assert err.code() == code, err.details()[:200]
+                assert err.details().startswith(start) and len(err.details()) < 200
+        await kv_back_to_zero(engine)
+
+
+# ---- one API key rule for both doors ---------------------------------------------------------
+
+
+async def test_more_than_one_authorization_value_is_refused_by_both_doors(tiny_model):
+    """With two authorization values, whichever order and whether either is right, both
+    doors refuse (gRPC UNAUTHENTICATED, REST 401) saying exactly one is allowed; the
+    refusals are counted, and one right value still gets through both."""
+    right, wrong = f"Bearer {KEY}", "Bearer wrong"
+    pairs = [(right, wrong), (wrong, right), (right, right)]
+    message = "authorization: exactly one value is allowed, got 2"
+    config = ServerConfig(grpc_port=0, http_port=0, api_key=KEY)
+    async with serving(tiny_model, config) as (srv, _, engine):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(text="hi", **greedy(2))
+            for values in pairs:
+                metadata = tuple(("authorization", v) for v in values)
+                for call in (stub.Generate, stub.StreamGenerate):
+                    err = await rpc_error(call(request, metadata=metadata))
+                    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, values
+                    assert err.details() == message
+            assert (await stub.Generate(request, metadata=AUTH)).usage.completion_tokens == 2
+        url = f"http://127.0.0.1:{srv.http_port}/v1/completions"
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        async with httpx.AsyncClient() as http:
+            for values in pairs:
+                headers = [("Authorization", v) for v in values]
+                answer = await http.post(url, json=body, headers=headers)
+                assert answer.status_code == 401, values
+                assert answer.json()["error"]["message"] == message
+            answer = await http.post(url, json=body, headers={"Authorization": right})
+            assert answer.status_code == 200
+        registry = srv.service.metrics.registry
+        for rpc, refused_calls in (("Generate", 3), ("StreamGenerate", 3), ("/v1/completions", 3)):
+            labels = {"rpc": rpc, "code": "UNAUTHENTICATED"}
+            assert registry.get_sample_value("pagedserve_requests_total", labels) == refused_calls
+        await kv_back_to_zero(engine)
+
+
 # ---- prompts and outputs stay out of the logs unless asked for -------------------------------
 
 PROMPT = "zebra quokka 7391 marmalade"  # a marker no log line has otherwise
