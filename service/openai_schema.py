@@ -17,7 +17,6 @@ surrogate ("\\ud800", which is no character), make a body invalid.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -89,7 +88,20 @@ def _raw_json(raw: Raw, field: str) -> str:
     """A free-form JSON value as its text, bounded like a gRPC request's schema text."""
     if len(raw) > MAX_SPEC_CHARS:
         raise ValidationError(field, f"has {len(raw)} bytes of JSON, at most {MAX_SPEC_CHARS}")
-    return bytes(raw).decode()
+    return _decoded(raw, str, field, as_text=True)
+
+
+def _decoded(raw: Raw | bytes, kind: Any, field: str, as_text: bool = False) -> Any:
+    """A value kept raw when its body was decoded (so not yet checked inside), decoded now
+    as `kind`, or only as UTF-8 text (as_text); errors name `field`."""
+    try:
+        if as_text:
+            return bytes(raw).decode()
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc), field) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ValidationError(field, f"not valid JSON text: {exc}") from None
 
 
 def _present(raw: Raw) -> bool:
@@ -178,7 +190,7 @@ class StructuredOutputs(_Body, kw_only=True):
         if name == "json":
             spec = _raw_json(self.json_, field)
             if spec.lstrip().startswith('"'):  # a schema sent as a JSON string
-                spec = json.loads(spec)
+                spec = _decoded(self.json_, str, field)
             return Constraint("json_schema", spec, field=field)
         if name == "json_object":
             if not self.json_object:
@@ -295,10 +307,7 @@ class CompletionRequest(_Sampling, kw_only=True):
         """One entry per prompt: text or token ids."""
         raw = bytes(self.prompt)
         kind = _prompt_kind(raw)
-        try:
-            prompt = msgspec.json.decode(raw, type=kind)
-        except msgspec.ValidationError as exc:
-            raise _field_error(str(exc), "prompt") from None
+        prompt = _decoded(raw, kind, "prompt")
         if kind is str:
             return [prompt]
         if not prompt:
@@ -391,9 +400,8 @@ class ToolDefinition(_Body, kw_only=True):
             described["description"] = function.description
         if _present(function.parameters):
             field = f"tools.{index}.function.parameters"
-            parameters = json.loads(_raw_json(function.parameters, field))
-            if not isinstance(parameters, dict):
-                raise ValidationError(field, "must be a JSON Schema object")
+            _raw_json(function.parameters, field)  # bounded first
+            parameters = _decoded(function.parameters, dict[str, Any], field)
             described["parameters"] = parameters
         if function.strict is not None:
             described["strict"] = function.strict
