@@ -19,7 +19,7 @@ wheels=(
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
   opentelemetry-proto==1.45.2 googleapis-common-protos==1.76.0
-  pytest-asyncio llguidance==1.9.1
+  pytest-asyncio llguidance==1.9.1 msgspec==0.23.0
 )
 mkdir -p .whl
 for wheel in "${wheels[@]}"; do
