@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -269,9 +270,9 @@ class GrammarMask:
         self.num_tokens = 0  # the tokens it has moved past
         # Written by the filling thread, read after the fill: fill it alone, timed, next
         # time (its last fill was one of several that overran time_limit); and its last
-        # fill's seconds, where they are its own.
+        # fill's seconds, where they are its own (MaskFill.timed).
         self.fill_alone = False
-        self.fill_seconds: float | None = None
+        self.fill_seconds = 0.0
 
     def fill_next(self, bitmask: np.ndarray) -> None:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask[None], 0)
@@ -281,39 +282,45 @@ class GrammarMask:
         # allowed, and then each the only one allowed after those before it.
         started = time.perf_counter()
         tokens = self.matcher.compute_ff_tokens()
-        if (error := self._failure(time.perf_counter() - started)) is not None:
-            raise error
+        seconds = time.perf_counter() - started
+        if seconds > self.time_limit or self.matcher.is_error():
+            raise self._failure(seconds)
         return tokens
 
     def accept(self, token_id: int) -> None:
         started = time.perf_counter()
-        self.matcher.consume_token(token_id)  # False: the matcher stopped (is_error)
+        consumed = self.matcher.consume_token(token_id)
+        seconds = time.perf_counter() - started
         self.num_tokens += 1
-        if (error := self._failure(time.perf_counter() - started)) is not None:
-            raise error
+        # A matcher stopped (by this token, or by the fill before it: its row then allows
+        # EOS alone) still takes EOS: is_error tells.
+        if seconds > self.time_limit or not consumed or self.matcher.is_error():
+            raise self._failure(seconds)
 
     def fill_failure(self) -> ValidationError | None:
-        """Why it cannot go on after a fill: its matcher stopped, or the fill, where its time
-        is its own, took longer than time_limit. None: it goes on."""
-        seconds, self.fill_seconds = self.fill_seconds, None
-        return self._failure(seconds or 0.0)
+        """Why it cannot go on after a fill that timed it alone: the fill took longer than
+        time_limit. None: it goes on. (A fill that stops its matcher is found by the
+        accept of the token after it.)"""
+        seconds = self.fill_seconds
+        return self._failure(seconds) if seconds > self.time_limit else None
 
-    def _failure(self, seconds: float) -> ValidationError | None:
+    def _failure(self, seconds: float) -> ValidationError:
+        """The error that ends it: its matcher stopped, or its work took `seconds`."""
         if self.matcher.is_error():
             # The first line, without the parser's state (_LIMITS): the limit it hit.
-            reason = self.matcher.get_error().splitlines()[0].removeprefix("Parser Error: ")
+            reason = re.sub(
+                "^parser error: ", "", self.matcher.get_error().splitlines()[0], flags=re.I
+            )
             return ValidationError(
                 self.field,
                 f"the grammar's parser gave up after {self.num_tokens} tokens ({reason}); "
                 "simplify it",
             )
-        if seconds > self.time_limit:
-            return ValidationError(
-                self.field,
-                f"the grammar took {seconds:.2f} s over one token after {self.num_tokens} "
-                f"tokens, past the limit of {self.time_limit:g} s a token; simplify it",
-            )
-        return None
+        return ValidationError(
+            self.field,
+            f"the grammar took {seconds:.2f} s over one token after {self.num_tokens} "
+            f"tokens, past the limit of {self.time_limit:g} s a token; simplify it",
+        )
 
 
 def start_filling(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> MaskFill:
@@ -347,6 +354,8 @@ class MaskFill:
 
     allowed: np.ndarray
     grammars: list[tuple[GrammarMask, int]] = field(default_factory=list)  # (mask, its row)
+    # Those the fill timed on their own (alone, or one that overran alone in the fill).
+    timed: list[tuple[GrammarMask, int]] = field(default_factory=list)
     error: Exception | None = None  # what a fill raised
     # Held while the masks fill: the filling thread releases it when they are done.
     filling: threading.Lock | None = None
@@ -361,9 +370,9 @@ class MaskFill:
         return self.allowed
 
     def failures(self) -> dict[int, ValidationError]:
-        """By row, the grammar masks that cannot go on after this fill (their requests'
-        fault, GrammarMask.fill_failure). Once, after result()."""
-        failed = ((row, mask.fill_failure()) for mask, row in self.grammars)
+        """By row, the grammar masks that took longer than their time limit in this fill
+        (their requests' fault, GrammarMask.fill_failure). Once, after result()."""
+        failed = ((row, mask.fill_failure()) for mask, row in self.timed)
         return {row: error for row, error in failed if error is not None}
 
 
@@ -416,11 +425,12 @@ class _MaskFiller:
             self._executor.unsafe_compute_mask_ptr(together, base, stride, rows)
             seconds = time.perf_counter() - started
             if seconds > fill.grammars[0][0].time_limit:  # one engine's masks, one limit
-                slow = [mask for mask, _ in fill.grammars if not mask.fill_alone]
+                slow = [(mask, row) for mask, row in fill.grammars if not mask.fill_alone]
                 if len(slow) == 1:
-                    slow[0].fill_seconds = seconds
+                    slow[0][0].fill_seconds = seconds
+                    fill.timed += slow
                 else:
-                    for mask in slow:
+                    for mask, _ in slow:
                         mask.fill_alone = True
         for mask, row in alone:
             if not 0 <= row < rows:  # the executor checks its own
@@ -429,6 +439,7 @@ class _MaskFiller:
             mask.matcher.unsafe_compute_mask_ptr(base + row * stride, stride)
             mask.fill_seconds = time.perf_counter() - started
             mask.fill_alone = False
+            fill.timed.append((mask, row))
 
 
 @functools.cache

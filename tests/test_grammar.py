@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llguidance import LLParserLimits
 from tokenizers import Tokenizer as BackendTokenizer
 
+from engine import grammar
 from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import EngineOverloaded, ValidationError
 from engine.grammar import GrammarCompiler, start_filling
@@ -21,6 +23,8 @@ from engine.tokenizer import Tokenizer
 from tests.json_schemas import slow_schema
 
 SLOW_SCHEMA = slow_schema(2000)  # ~0.2 s to build on one CPU core
+# Every string of a and b, each in exponentially many ways: its masks grow with each token.
+AMBIGUOUS = 'start: s\ns: s s s | s s | "a" | "b"'
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +253,31 @@ def test_a_grammar_its_parser_gives_up_on_fails_by_its_field_without_its_state(
     )
 
 
+def test_a_fill_that_stops_its_matcher_is_found_at_the_token_after_it(
+    tokenizer, monkeypatch
+) -> None:
+    """A fill past the parser's items limit stops the matcher and leaves its row allowing
+    EOS alone, and a stopped matcher takes EOS as if it were fine: accepting it fails,
+    naming the field and the limit."""
+    monkeypatch.setattr(
+        grammar, "_LIMITS", LLParserLimits(verbose_errors=False, step_max_items=300)
+    )
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    mask = masks_of(compiler, Constraint("grammar", AMBIGUOUS, field="grammar"))()
+    (ab,) = tokenizer.encode("ab", add_special_tokens=False)
+    while True:  # a few tokens in
+        allowed = start_filling([(0, mask)], 1, tokenizer.vocab_size).result()
+        if mask.matcher.is_error():
+            break
+        mask.accept(ab)
+    bits = np.unpackbits(allowed[0].view(np.uint8), bitorder="little")[: tokenizer.vocab_size]
+    assert np.flatnonzero(bits).tolist() == list(tokenizer.eos_token_ids)
+    with pytest.raises(ValidationError) as caught:
+        mask.accept(tokenizer.eos_token_ids[0])
+    assert str(caught.value).startswith("grammar: the grammar's parser gave up after ")
+    assert "(Too many items (limit 300; mask)" in str(caught.value)
+
+
 def test_the_slow_mask_of_a_fill_that_overran_is_found_by_filling_each_alone_next_time(
     tokenizer,
 ) -> None:
@@ -260,7 +289,7 @@ def test_the_slow_mask_of_a_fill_that_overran_is_found_by_filling_each_alone_nex
     compiler = GrammarCompiler(
         tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, step_time_limit=0.03
     )
-    ambiguous = Constraint("grammar", 'start: s\ns: s s s | s s | "a" | "b"', field="grammar")
+    ambiguous = Constraint("grammar", AMBIGUOUS, field="grammar")
     slow, fast = (
         masks_of(compiler, ambiguous)(),
         masks_of(compiler, Constraint("regex", "[0-9]+"))(),
