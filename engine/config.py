@@ -80,10 +80,11 @@ class EngineConfig:
     # waits as long for a compile thread is told to retry.
     grammar_compile_timeout: float = 10.0
     # Structured output: a candidate's grammar work for one token (its token mask, moving
-    # its matcher past a token) that takes longer than this fails its request, naming the
-    # constraint's field. A mask takes microseconds to a few milliseconds; one ambiguous
-    # grammar's grow with every token, and every row of a step waits for the slowest.
-    grammar_step_timeout: float = 0.1
+    # its matcher past a token) that takes more CPU time than this fails its request,
+    # naming the constraint's field. A mask takes microseconds to a few milliseconds, and
+    # llguidance's own limits stop one near 20 ms; an ambiguous grammar's grow with every
+    # token, and every row of a step waits for the slowest mask.
+    grammar_step_timeout: float = 0.05
     # Structured output: the tokens a grammar forces (its mask would allow each alone) are
     # appended without a step each, and computed with the token before them in one chunk.
     grammar_fast_forward: bool = True

@@ -262,17 +262,21 @@ class GrammarMask:
     """One candidate's place in its grammar, and the request field its constraint came from.
 
     What moves it on (accept, forced) raises a ValidationError naming that field where its
-    matcher stopped on the parser's limits, or where the call took longer than time_limit;
-    a fill's own failures are read after the fill (fill_failure)."""
+    matcher stopped on the parser's limits, or where its work for one token took longer
+    than time_limit: a fill's is read after the fill (fill_failure). The time that fails
+    it is its own CPU time, which a busy machine does not stretch; the clock only tells
+    which masks to time so, as CPU time costs more to read than the clock."""
 
     def __init__(self, matcher: llguidance.LLMatcher, field: str, time_limit: float = math.inf):
         self.matcher, self.field, self.time_limit = matcher, field, time_limit
         self.num_tokens = 0  # the tokens it has moved past
-        # Written by the filling thread, read after the fill: fill it alone, timed, next
-        # time (its last fill was one of several that overran time_limit); and its last
-        # fill's seconds, where they are its own (MaskFill.timed).
+        # Fill it alone, its CPU time read, the next time: a fill of it (of several, or
+        # alone on llguidance's threads) overran time_limit on the clock. Written by the
+        # filling thread, as is fill_seconds, its last fill's CPU time where it was alone.
         self.fill_alone = False
         self.fill_seconds = 0.0
+        # accept and forced read its CPU time from now on: one of them overran on the clock.
+        self.cpu_timed = False
 
     def fill_next(self, bitmask: np.ndarray) -> None:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask[None], 0)
@@ -280,42 +284,45 @@ class GrammarMask:
     def forced(self) -> list[int]:
         # llguidance's fast-forward tokens: empty unless the next token is the only one
         # allowed, and then each the only one allowed after those before it.
-        started = time.perf_counter()
+        clock = time.thread_time if self.cpu_timed else time.perf_counter
+        started = clock()
         tokens = self.matcher.compute_ff_tokens()
-        seconds = time.perf_counter() - started
-        if seconds > self.time_limit or self.matcher.is_error():
-            raise self._failure(seconds)
+        self._check(clock() - started)
         return tokens
 
     def accept(self, token_id: int) -> None:
-        started = time.perf_counter()
-        consumed = self.matcher.consume_token(token_id)
-        seconds = time.perf_counter() - started
+        clock = time.thread_time if self.cpu_timed else time.perf_counter
+        started = clock()
+        self.matcher.consume_token(token_id)
         self.num_tokens += 1
         # A matcher stopped (by this token, or by the fill before it: its row then allows
         # EOS alone) still takes EOS: is_error tells.
-        if seconds > self.time_limit or not consumed or self.matcher.is_error():
-            raise self._failure(seconds)
+        self._check(clock() - started)
 
     def fill_failure(self) -> ValidationError | None:
-        """Why it cannot go on after a fill that timed it alone: the fill took longer than
+        """Why it cannot go on after a fill that filled it alone: it took longer than
         time_limit. None: it goes on. (A fill that stops its matcher is found by the
         accept of the token after it.)"""
         seconds = self.fill_seconds
-        return self._failure(seconds) if seconds > self.time_limit else None
+        return self._too_slow(seconds) if seconds > self.time_limit else None
 
-    def _failure(self, seconds: float) -> ValidationError:
-        """The error that ends it: its matcher stopped, or its work took `seconds`."""
+    def _check(self, seconds: float) -> None:
+        """After a call of `seconds` (CPU time where cpu_timed, else on the clock)."""
         if self.matcher.is_error():
             # The first line, without the parser's state (_LIMITS): the limit it hit.
-            reason = re.sub(
-                "^parser error: ", "", self.matcher.get_error().splitlines()[0], flags=re.I
-            )
-            return ValidationError(
+            line = self.matcher.get_error().splitlines()[0]
+            reason = re.sub("^parser error: ", "", line, flags=re.I)
+            raise ValidationError(
                 self.field,
                 f"the grammar's parser gave up after {self.num_tokens} tokens ({reason}); "
                 "simplify it",
             )
+        if seconds > self.time_limit:
+            if self.cpu_timed:
+                raise self._too_slow(seconds)
+            self.cpu_timed = True
+
+    def _too_slow(self, seconds: float) -> ValidationError:
         return ValidationError(
             self.field,
             f"the grammar took {seconds:.2f} s over one token after {self.num_tokens} "
@@ -354,7 +361,7 @@ class MaskFill:
 
     allowed: np.ndarray
     grammars: list[tuple[GrammarMask, int]] = field(default_factory=list)  # (mask, its row)
-    # Those the fill timed on their own (alone, or one that overran alone in the fill).
+    # Those it filled alone, their CPU time read.
     timed: list[tuple[GrammarMask, int]] = field(default_factory=list)
     error: Exception | None = None  # what a fill raised
     # Held while the masks fill: the filling thread releases it when they are done.
@@ -416,28 +423,22 @@ class _MaskFiller:
     def _fill(
         self, fill: MaskFill, together: list, alone: list, base: int, stride: int, rows: int
     ) -> None:
-        """Timing a fill of several tells only that one of them is slow, and a position's
-        mask, once computed, is kept: so where the fill together overran the time limit,
-        its masks are marked to fill alone the next time, each timed (one alone in it is
-        timed by it)."""
+        """Timing a fill on llguidance's threads tells only that one of its masks is slow
+        (or the machine busy), and a position's mask, once computed, is kept: so where it
+        overran the time limit, its masks are marked to fill alone the next time, on this
+        thread, their CPU time read."""
         if together:
             started = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(together, base, stride, rows)
-            seconds = time.perf_counter() - started
-            if seconds > fill.grammars[0][0].time_limit:  # one engine's masks, one limit
-                slow = [(mask, row) for mask, row in fill.grammars if not mask.fill_alone]
-                if len(slow) == 1:
-                    slow[0][0].fill_seconds = seconds
-                    fill.timed += slow
-                else:
-                    for mask, _ in slow:
-                        mask.fill_alone = True
+            if time.perf_counter() - started > fill.grammars[0][0].time_limit:  # one limit
+                for mask, _ in fill.grammars:
+                    mask.fill_alone = True
         for mask, row in alone:
             if not 0 <= row < rows:  # the executor checks its own
                 raise ValueError(f"row {row} is out of bounds of {rows} rows")
-            started = time.perf_counter()
+            started = time.thread_time()
             mask.matcher.unsafe_compute_mask_ptr(base + row * stride, stride)
-            mask.fill_seconds = time.perf_counter() - started
+            mask.fill_seconds = time.thread_time() - started
             mask.fill_alone = False
             fill.timed.append((mask, row))
 

@@ -144,9 +144,9 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "engine",
         "grammar_step_timeout",
-        "structured output: seconds a constraint's work for one token (its token mask, or "
-        "moving past a token) may take before the request fails, naming the constraint; "
-        "every row of a step waits for the slowest mask",
+        "structured output: seconds of CPU time a constraint's work for one token (its "
+        "token mask, or moving past a token) may take before the request fails, naming the "
+        "constraint; every row of a step waits for the slowest mask",
     ),
     _setting(
         "engine",

@@ -281,11 +281,11 @@ def test_a_fill_that_stops_its_matcher_is_found_at_the_token_after_it(
 def test_the_slow_mask_of_a_fill_that_overran_is_found_by_filling_each_alone_next_time(
     tokenizer,
 ) -> None:
-    """A step's grammar masks fill together, timed as one. Where that overran the step
-    limit, a position's mask once computed being kept, the next fill takes each of them
-    alone, timed: an ambiguous grammar's (over 0.1 s, 100 tokens in) fails by its
-    field, a regex's beside it (microseconds) goes on; the fill after that is together
-    again. A mask alone in its fill is timed by it."""
+    """A step's grammar masks fill together on llguidance's threads, timed as one on the
+    clock. Where that overran the step limit, a position's mask once computed being kept,
+    the next fill takes each of them alone, its CPU time read: an ambiguous grammar's (over
+    0.1 s, 100 tokens in) fails by its field, a regex's beside it (microseconds) goes on,
+    and fills together again. A mask alone in a fill that overran is found the same way."""
     compiler = GrammarCompiler(
         tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, step_time_limit=0.03
     )
@@ -313,9 +313,28 @@ def test_the_slow_mask_of_a_fill_that_overran_is_found_by_filling_each_alone_nex
     assert "past the limit of 0.03 s a token; simplify it" in str(failures[0])
     assert not slow.fill_alone and not fast.fill_alone
     fast.accept(seven)
-    assert fill(fast) == {}
-    slow.matcher.consume_token(ab)
-    assert list(fill(slow)) == [0]
+    assert fill(fast) == {} and not fast.fill_alone
+    for _ in range(2):
+        slow.matcher.consume_token(ab)
+        failures = fill(slow)
+    assert list(failures) == [0]
+
+
+def test_taking_a_token_past_the_limit_fails_once_its_cpu_time_says_so(tokenizer) -> None:
+    """A call that moves a mask on and overran the limit on the clock (which a busy machine
+    stretches) has the next one's CPU time read; that one past the limit fails."""
+    compiler = GrammarCompiler(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, step_time_limit=0.005
+    )
+    mask = masks_of(compiler, Constraint("grammar", AMBIGUOUS, field="grammar"))()
+    (ab,) = tokenizer.encode("ab", add_special_tokens=False)
+    for _ in range(100):  # taking a token now costs it over 0.02 s
+        mask.matcher.consume_token(ab)
+    mask.accept(ab)
+    assert mask.cpu_timed
+    with pytest.raises(ValidationError, match="past the limit of 0.005 s a token") as caught:
+        mask.accept(ab)
+    assert caught.value.field == "grammar"
 
 
 def test_a_model_whose_tokenizer_llguidance_cannot_read_refuses_every_constraint(
