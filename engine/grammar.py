@@ -22,7 +22,8 @@ whose work for a token grows with every token (an ambiguous grammar's masks: mil
 at first, seconds a hundred tokens on). Either is the constraint's fault, never an answer
 outside it: the candidate's mask raises a ValidationError naming the constraint's field
 where its matcher stopped, or where its work for one token (its mask, or moving past a
-token) took longer than the step time limit, and the engine fails that request alone.
+token) took more CPU time than the step time limit, and the engine fails that request
+alone.
 llguidance's own errors stay out of the log: they quote the grammar and the tokens.
 
 A model whose tokenizer llguidance cannot read (one without a decoder) has no structured
@@ -412,13 +413,13 @@ class _MaskFiller:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            fill, *work = self._jobs.get()
             self._began.release()
             try:
-                self._fill(*job)
+                self._fill(fill, *work)
             except Exception as exc:
-                job[0].error = exc
-            job[0].filling.release()
+                fill.error = exc
+            fill.filling.release()
 
     def _fill(
         self, fill: MaskFill, together: list, alone: list, base: int, stride: int, rows: int
