@@ -153,7 +153,9 @@ def _admit(
     """Add the Submit's request to the engine (under its compiled constraint's masks); the
     error that refused it, or None."""
     try:
-        token_mask = engine.grammars.masks(grammar.matcher()) if grammar else None
+        token_mask = (
+            engine.grammars.masks(grammar.constraint, grammar.matcher()) if grammar else None
+        )
         engine.add_request(
             item.request_id, item.prompt_token_ids, item.params, item.priority, token_mask
         )

@@ -79,6 +79,12 @@ class EngineConfig:
     # seconds is refused (the build finishes unread on the compiler's thread); one that
     # waits as long for a compile thread is told to retry.
     grammar_compile_timeout: float = 10.0
+    # Structured output: a candidate's grammar work for one token (its token mask, moving
+    # its matcher past a token) that takes more CPU time than this fails its request,
+    # naming the constraint's field. A mask takes microseconds to a few milliseconds, and
+    # llguidance's own limits stop one near 20 ms; an ambiguous grammar's grow with every
+    # token, and every row of a step waits for the slowest mask.
+    grammar_step_timeout: float = 0.05
     # Structured output: the tokens a grammar forces (its mask would allow each alone) are
     # appended without a step each, and computed with the token before them in one chunk.
     grammar_fast_forward: bool = True
@@ -101,6 +107,11 @@ class EngineConfig:
             raise ValidationError(
                 "grammar_compile_timeout",
                 f"must be a finite number > 0, got {self.grammar_compile_timeout}",
+            )
+        if not 0 < self.grammar_step_timeout < float("inf"):
+            raise ValidationError(
+                "grammar_step_timeout",
+                f"must be a finite number > 0, got {self.grammar_step_timeout}",
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")

@@ -25,7 +25,7 @@ import numpy as np
 from engine.batch import SlotBook
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import DuplicateRequest
+from engine.errors import DuplicateRequest, ValidationError
 from engine.grammar import GrammarCompiler, MaskFill, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
@@ -109,8 +109,14 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         """Compiles constraints for this engine's tokenizer; built by the warm-up (reading
         the vocabulary takes ~0.3 s)."""
-        info, timeout = self.info, self.config.grammar_compile_timeout
-        return GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids, timeout)
+        info, config = self.info, self.config
+        return GrammarCompiler(
+            self.tokenizer,
+            info.vocab_size,
+            info.eos_token_ids,
+            config.grammar_compile_timeout,
+            config.grammar_step_timeout,
+        )
 
     def add_request(
         self,
@@ -129,7 +135,8 @@ class LLMEngine:
         # Here for every request: a caller may hand over ids it built itself.
         max_tokens = self.prompts.check(prompt_token_ids, params.max_tokens)
         if token_mask is None and params.constraint is not None:
-            token_mask = self.grammars.masks(self.grammars.compile(params.constraint))
+            constraint = params.constraint
+            token_mask = self.grammars.masks(constraint, self.grammars.compile(constraint))
 
         request = Request(
             request_id=request_id,
@@ -343,12 +350,28 @@ class LLMEngine:
         on a failure its requests end (events) and it is dropped (False)."""
         try:
             if step.launched is None:
-                allowed = step.filling.result() if step.filling is not None else None
+                allowed = None
+                if step.filling is not None:
+                    allowed = step.filling.result()
+                    if failures := step.filling.failures():
+                        events += self._fail_constraints(step, failures)
                 step.launched = self.runner.sample(step.forward, allowed)
         except Exception as exc:  # an engine fault fails this step's requests, not the engine
             events += self._fail_step(step.chunks, exc)
             return False
         return True
+
+    def _fail_constraints(
+        self, step: _StepInFlight, failures: dict[int, ValidationError]
+    ) -> list[CandidateEvent]:
+        """End the requests whose masks cannot go on after the step's fill (by first row);
+        the step samples on, for the others."""
+        events, row = [], 0
+        for seq, rows, _ in step.samplers:
+            if row in failures and not seq.is_finished:
+                events += self._constraint_failed(seq, failures[row])
+            row += rows
+        return events
 
     def _read(self, step: _StepInFlight, events: list[CandidateEvent]) -> bool:
         """Wait for a sampled step's results, unless read, and move each masked sequence's
@@ -366,7 +389,14 @@ class LLMEngine:
         row = 0
         for seq, rows, _ in step.samplers:  # a masked sequence samples one row: no proposals
             if seq.token_mask is not None and not seq.is_finished:
-                seq.token_mask.accept(step.result.token_ids[row])
+                token_id = step.result.token_ids[row]
+                try:
+                    seq.token_mask.accept(token_id)
+                except ValidationError as exc:
+                    failure: Exception = exc
+                    if not _allows(step.filling.allowed[row], token_id):  # not the grammar's
+                        failure = RuntimeError("a token its mask did not allow was sampled")
+                    events += self._constraint_failed(seq, failure)
             row += rows
         return True
 
@@ -423,8 +453,15 @@ class LLMEngine:
         if spare is not None:
             room = min(room, spare, self.runner.graph_room(seq.num_tokens))
         events, appended = [], []
-        for token_id in seq.token_mask.forced()[:room]:
-            seq.token_mask.accept(token_id)
+        try:
+            forced = seq.token_mask.forced()[:room]
+        except ValidationError as exc:
+            return self._constraint_failed(seq, exc)
+        for token_id in forced:
+            try:
+                seq.token_mask.accept(token_id)
+            except ValidationError as exc:  # its own forced token: the grammar's fault
+                return events + self._constraint_failed(seq, exc)
             seq.num_tokens += 1
             self.num_forced_tokens += 1
             events.append(self._append_token(seq, token_id, None))
@@ -470,12 +507,18 @@ class LLMEngine:
     # ---- endings ----------------------------------------------------------------------
 
     def _finish_sequence(
-        self, seq: Sequence, reason: FinishReason, error: str | None, event: CandidateEvent
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        error: str | None,
+        event: CandidateEvent,
+        error_field: str | None = None,
     ) -> None:
         request = seq.request
         self.scheduler.remove(seq)
         seq.finish_reason, seq.error = reason, error
         event.finish_reason, event.matched_stop, event.error = reason, seq.matched_stop, error
+        event.error_field = error_field
         cached = request.sequences[0].num_cached_tokens
         event.usage = Usage(request.num_prompt_tokens, seq.num_output_tokens, cached)
         if request.finished:
@@ -484,7 +527,11 @@ class LLMEngine:
         event.timing = request.timing
 
     def _finish_request(
-        self, request_id: str, reason: FinishReason, error: str | None
+        self,
+        request_id: str,
+        reason: FinishReason,
+        error: str | None,
+        error_field: str | None = None,
     ) -> list[CandidateEvent]:
         request = self.requests.get(request_id)
         if request is None:
@@ -492,9 +539,23 @@ class LLMEngine:
         events = []
         for seq in [s for s in request.sequences if not s.is_finished]:
             event = CandidateEvent(request_id, seq.index, "", [])
-            self._finish_sequence(seq, reason, error, event)
+            self._finish_sequence(seq, reason, error, event, error_field)
             events.append(event)
         return events
+
+    def _constraint_failed(self, seq: Sequence, exc: Exception) -> list[CandidateEvent]:
+        """End the request of a candidate whose token mask cannot go on: a ValidationError
+        is its constraint's fault (the events name the field), anything else the engine's.
+        The log has the request id and no content: llguidance's words quote the grammar."""
+        request_id = seq.request.request_id
+        if isinstance(exc, ValidationError):
+            log.warning(
+                "request %s failed: its constraint (%s) could not go on", request_id, exc.field
+            )
+            return self._finish_request(request_id, FinishReason.ERROR, str(exc), exc.field)
+        log.error("request %s failed: its token mask: %s", request_id, exc)
+        error = f"engine error: {type(exc).__name__}: {exc}"
+        return self._finish_request(request_id, FinishReason.ERROR, error)
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[CandidateEvent]:
         """End the requests of a step that raised exc (call from its except block)."""
@@ -504,3 +565,8 @@ class LLMEngine:
         for rid in dict.fromkeys(c.seq.request.request_id for c in chunks):
             events.extend(self._finish_request(rid, FinishReason.ERROR, error))
         return events
+
+
+def _allows(row: np.ndarray, token_id: int) -> bool:
+    """Whether a mask row (bit v % 32 of word v // 32) allows token_id."""
+    return bool(int(row[token_id // 32]) >> (token_id % 32) & 1)

@@ -54,6 +54,10 @@ class CandidateEvent:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    # With finish_reason ERROR: the request field whose value failed it (a constraint whose
+    # grammar its parser could not follow), the caller's fault (INVALID_ARGUMENT, 400);
+    # None: the engine's (INTERNAL, 500).
+    error_field: str | None = None
     usage: Usage | None = None  # on the final event
     timing: RequestTiming | None = None  # on the final event
 
@@ -78,6 +82,7 @@ class CandidateEvent:
             finish_reason=last.finish_reason,
             matched_stop=last.matched_stop,
             error=last.error,
+            error_field=last.error_field,
             usage=last.usage,
             timing=last.timing,
         )

@@ -18,7 +18,8 @@ vocabulary) and runs them through add_request / step to completion:
   - the sampler's paths: greedy, the plain seeded race, top-k / top-p / min-p, penalties,
     min_tokens bans, logprobs with and without alternatives, prompt logprobs, n > 1
     (the later candidates start behind a prefix hit), stop strings and stop token ids, a
-    structured-output token mask (which builds the grammar compiler, too).
+    structured-output token mask (where the model has structured output: the grammar
+    compiler is built first, whether it has or not).
 
 Then it leaves the engine as if fresh (LLMEngine.reset_state): no requests, no blocks
 used, the prefix cache empty, every counter zero, so metrics count only real traffic.
@@ -93,10 +94,11 @@ def greedy(max_tokens: int = 2, **more) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **more)
 
 
-def sampler_variants(vocab: int) -> list[SamplingParams]:
-    """One request per sampler path the batch's rows can take together."""
+def sampler_variants(vocab: int, structured_output: bool = True) -> list[SamplingParams]:
+    """One request per sampler path the batch's rows can take together (a token mask
+    where the model has structured output)."""
     stop_ids = [1 % vocab, 2 % vocab]
-    return [
+    variants = [
         greedy(6, logprobs=MAX_LOGPROBS),  # top alternatives
         SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, logprobs=0),
         SamplingParams(  # filters share one sort
@@ -121,9 +123,12 @@ def sampler_variants(vocab: int) -> list[SamplingParams]:
             include_stop_str_in_output=True,
         ),
         SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True),  # n > 1
-        # a token mask applied (structured output; this also builds the grammar compiler)
-        SamplingParams(temperature=0.0, max_tokens=6, constraint=Constraint("json_object")),
     ]
+    if structured_output:  # a token mask applied
+        variants.append(
+            SamplingParams(temperature=0.0, max_tokens=6, constraint=Constraint("json_object"))
+        )
+    return variants
 
 
 def warm_up(engine: LLMEngine) -> WarmupReport:
@@ -163,7 +168,10 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
     shared_len = plan.block_size + 1 if plan.block_size > 1 else 2
     joiner_len = max(2, min(2 * plan.block_size + 3, plan.max_len - 8))
     groups: list[list[_Prompt]] = [[]]
-    for params in sampler_variants(plan.vocab):
+    # Building the grammar compiler reads the vocabulary (or finds the model has no
+    # structured output, and says so).
+    structured_output = engine.grammars.unavailable is None
+    for params in sampler_variants(plan.vocab, structured_output):
         length = shared_len if params.n > 1 else 3
         if not plan.fits(length, params.max_tokens):
             continue

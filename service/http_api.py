@@ -497,8 +497,9 @@ class _Api:
             async for prompt, event in _merged(gen.streams):
                 gen.add(prompt, event)
                 if event.finish_reason is FinishReason.ERROR:
-                    status[0] = 500
-                    raise ApiError(500, event.error or "engine error", "internal_error")
+                    error = _failed(event)
+                    status[0] = error.status
+                    raise error
             return JSONResponse(self._full_response(gen, tokenizer))
 
     @contextlib.contextmanager
@@ -564,8 +565,9 @@ class _Api:
                     gen.started.add(index)
                     gen.add(prompt, event)
                     if event.finish_reason is FinishReason.ERROR:
-                        status[0] = 500
-                        yield _sse_data(ApiError(500, event.error or "engine error").body())
+                        error = _failed(event)
+                        status[0] = error.status
+                        yield _sse_data(error.body())
                         return
                     if gen.kind == "chat":
                         delta = self._chat_delta(gen, index, event, tokenizer, first)
@@ -697,6 +699,14 @@ class _EventStream(StreamingResponse):
             await send({"type": "http.response.body", "body": last.encode(), "more_body": False})
         elif ended is _Interrupted.CLOSING:
             await _closing_error().response()(scope, receive, send)
+
+
+def _failed(event: CandidateEvent) -> ApiError:
+    """The answer to a request the engine failed: 400 where a field of it was at fault (a
+    constraint whose grammar could not be followed), else 500, an engine fault."""
+    if event.error_field is not None:
+        return ApiError(400, event.error, param=event.error_field)
+    return ApiError(500, event.error or "engine error", "internal_error")
 
 
 def _envelope(gen: _Generation, kind: str, choices: list[dict]) -> dict[str, Any]:

@@ -284,7 +284,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
                     output.add(event)
                     if event.finished:
                         finals.append(event)
-                        await _abort_on_engine_fault(event, context)
+                        await _abort_on_error(event, context)
             except StreamOverflow as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             finally:
@@ -305,7 +305,7 @@ class InferenceService(FrontDoor, inference_pb2_grpc.InferenceServicer):
                 async for event in stream:  # leaving early, by any door, cancels the request
                     if event.finished:
                         finals.append(event)
-                        await _abort_on_engine_fault(event, context)
+                        await _abort_on_error(event, context)
                     if self.log_requests:
                         output.add(event)
                     message = convert.stream_message(event, tokenizer, tool_calls)
@@ -416,9 +416,13 @@ def engine_request_id(scope: str, request_id: str) -> str:
     return f"{request_id}@{scope}" if scope else request_id
 
 
-async def _abort_on_engine_fault(final: CandidateEvent, context) -> None:
-    """An engine fault fails the request it hit with INTERNAL; the engine serves on."""
+async def _abort_on_error(final: CandidateEvent, context) -> None:
+    """A request the engine failed: INVALID_ARGUMENT where a field of it was at fault (a
+    constraint whose grammar could not be followed), else INTERNAL, an engine fault; the
+    engine serves on either way."""
     if final.finish_reason is FinishReason.ERROR:
+        if final.error_field is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, final.error)
         await context.abort(grpc.StatusCode.INTERNAL, final.error or "engine error")
 
 

@@ -143,6 +143,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _setting(
         "engine",
+        "grammar_step_timeout",
+        "structured output: seconds of CPU time a constraint's work for one token (its "
+        "token mask, or moving past a token) may take before the request fails, naming the "
+        "constraint; every row of a step waits for the slowest mask",
+    ),
+    _setting(
+        "engine",
         "grammar_fast_forward",
         "structured output: append the tokens a grammar forces without a step each (the "
         "next step computes them in one chunk); off: every token takes a step",

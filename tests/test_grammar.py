@@ -11,7 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llguidance import LLParserLimits
+from tokenizers import Tokenizer as BackendTokenizer
 
+from engine import grammar
 from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import EngineOverloaded, ValidationError
 from engine.grammar import GrammarCompiler, start_filling
@@ -20,6 +23,8 @@ from engine.tokenizer import Tokenizer
 from tests.json_schemas import slow_schema
 
 SLOW_SCHEMA = slow_schema(2000)  # ~0.2 s to build on one CPU core
+# Every string of a and b, each in exponentially many ways: its masks grow with each token.
+AMBIGUOUS = 'start: s\ns: s s s | s s | "a" | "b"'
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,11 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+def masks_of(compiler: GrammarCompiler, constraint: Constraint):
+    """Makes a candidate's mask of the constraint each call."""
+    return compiler.masks(constraint, compiler.compile(constraint))
 
 
 def allowed_ids(mask, vocab_size: int) -> list[int]:
@@ -113,7 +123,7 @@ def test_a_choice_mask_keeps_the_text_a_prefix_of_a_choice_then_allows_only_eos(
     compiler: GrammarCompiler, tokenizer: Tokenizer
 ) -> None:
     choices = ("yes", 'no "way"', "naïve ☃")
-    mask = compiler.masks(compiler.compile(Constraint("choice", choices)))()
+    mask = masks_of(compiler, Constraint("choice", choices))()
     vocab = tokenizer.vocab_size
     first = allowed_ids(mask, vocab)
     texts = {tokenizer.decode([t], skip_special_tokens=False) for t in first}
@@ -124,7 +134,7 @@ def test_a_choice_mask_keeps_the_text_a_prefix_of_a_choice_then_allows_only_eos(
 
 
 def test_each_candidate_gets_a_matcher_of_its_own(compiler, tokenizer) -> None:
-    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+x")))
+    masks = masks_of(compiler, Constraint("regex", "[0-9]+x"))
     first, second = masks(), masks()
     for token_id in tokenizer.encode("12x", add_special_tokens=False):
         first.accept(token_id)
@@ -140,7 +150,7 @@ def test_a_schema_mask_admits_a_valid_document_token_by_token(compiler, tokenize
         "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
         "required": ["name", "age"],
     }
-    mask = compiler.masks(compiler.compile(Constraint("json_schema", json.dumps(schema))))()
+    mask = masks_of(compiler, Constraint("json_schema", json.dumps(schema)))()
     for token_id in tokenizer.encode('{"name": "Ada", "age": 36}', add_special_tokens=False):
         assert token_id in allowed_ids(mask, tokenizer.vocab_size)
         mask.accept(token_id)
@@ -153,7 +163,7 @@ def test_a_steps_masks_fill_their_rows_and_leave_the_others_all_ones(
 ) -> None:
     """start_filling gives each masked row what its own mask allows, at each mask's place in
     its text; the rows between stay all ones."""
-    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+x|ab+c")))
+    masks = masks_of(compiler, Constraint("regex", "[0-9]+x|ab+c"))
     texts = ["12", "ab", "", "1x", "abbb"]
     placed = []
     for i in range(num_masks):
@@ -177,7 +187,7 @@ def test_start_filling_returns_while_the_masks_fill_and_they_fill_right(
     a free string, which takes tens of milliseconds here, is done; each row ends up what
     its own matcher allows."""
     schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
-    masks = compiler.masks(compiler.compile(Constraint("json_schema", json.dumps(schema))))
+    masks = masks_of(compiler, Constraint("json_schema", json.dumps(schema)))
     opening = tokenizer.encode('{"note": "', add_special_tokens=False)
     placed = []
     for row in range(2000):
@@ -199,7 +209,7 @@ def test_start_filling_returns_while_the_masks_fill_and_they_fill_right(
 def test_a_forked_child_fills_masks_on_threads_of_its_own(compiler, tokenizer) -> None:
     """A child forked after the parent filled masks (its filling thread and llguidance's
     exist) fills its own instead of waiting forever for threads it does not have."""
-    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+")))
+    masks = masks_of(compiler, Constraint("regex", "[0-9]+"))
     placed = [(0, masks())]
     parent = start_filling(placed, 1, tokenizer.vocab_size).result()
     pid = os.fork()
@@ -217,11 +227,142 @@ def test_a_forked_child_fills_masks_on_threads_of_its_own(compiler, tokenizer) -
 def test_a_grammar_fill_that_raises_reaches_the_caller(compiler, tokenizer) -> None:
     """A fault on the filling thread is the future's, not a lost thread's: the next
     fill still runs."""
-    masks = compiler.masks(compiler.compile(Constraint("regex", "[0-9]+")))
+    masks = masks_of(compiler, Constraint("regex", "[0-9]+"))
     with pytest.raises(ValueError, match="out of bounds"):
         start_filling([(1, masks())], 1, tokenizer.vocab_size).result()  # row 1 of 1
     allowed = start_filling([(0, masks())], 1, tokenizer.vocab_size).result()
     assert np.flatnonzero(np.unpackbits(allowed[0].view(np.uint8), bitorder="little")).size
+
+
+def test_a_grammar_its_parser_gives_up_on_fails_by_its_field_without_its_state(
+    compiler, tokenizer
+) -> None:
+    """5,001 alternatives compile; the parser's row of items is past its limit once a token
+    is taken. The mask says so in one line naming the field, not with the parser's state
+    (which quotes the grammar and the tokens)."""
+    wide = "start: " + " | ".join(f'"a{i}"' for i in range(5001))
+    mask = masks_of(compiler, Constraint("grammar", wide, field="structured_outputs.grammar"))()
+    (token_id,) = mask.forced()
+    with pytest.raises(ValidationError) as caught:
+        mask.accept(token_id)
+    assert caught.value.field == "structured_outputs.grammar"
+    assert str(caught.value) == (
+        "structured_outputs.grammar: the grammar's parser gave up after 1 tokens (Current row "
+        "has 5002 items; max is 2000; consider making your grammar left-recursive if it's "
+        "right-recursive); simplify it"
+    )
+
+
+def test_a_fill_that_stops_its_matcher_is_found_at_the_token_after_it(
+    tokenizer, monkeypatch
+) -> None:
+    """A fill past the parser's items limit stops the matcher and leaves its row allowing
+    EOS alone, and a stopped matcher takes EOS as if it were fine: accepting it fails,
+    naming the field and the limit."""
+    monkeypatch.setattr(
+        grammar, "_LIMITS", LLParserLimits(verbose_errors=False, step_max_items=300)
+    )
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    mask = masks_of(compiler, Constraint("grammar", AMBIGUOUS, field="grammar"))()
+    (ab,) = tokenizer.encode("ab", add_special_tokens=False)
+    while True:  # a few tokens in
+        allowed = start_filling([(0, mask)], 1, tokenizer.vocab_size).result()
+        if mask.matcher.is_error():
+            break
+        mask.accept(ab)
+    bits = np.unpackbits(allowed[0].view(np.uint8), bitorder="little")[: tokenizer.vocab_size]
+    assert np.flatnonzero(bits).tolist() == list(tokenizer.eos_token_ids)
+    with pytest.raises(ValidationError) as caught:
+        mask.accept(tokenizer.eos_token_ids[0])
+    assert str(caught.value).startswith("grammar: the grammar's parser gave up after ")
+    assert "(Too many items (limit 300; mask)" in str(caught.value)
+
+
+def test_the_slow_mask_of_a_fill_that_overran_is_found_by_filling_each_alone_next_time(
+    tokenizer,
+) -> None:
+    """A step's grammar masks fill together on llguidance's threads, timed as one on the
+    clock. Where that overran the step limit, a position's mask once computed being kept,
+    the next fill takes each of them alone, its CPU time read: an ambiguous grammar's (over
+    0.1 s, 100 tokens in) fails by its field, a regex's beside it (microseconds) goes on,
+    and fills together again. A mask alone in a fill that overran is found the same way."""
+    compiler = GrammarCompiler(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, step_time_limit=0.03
+    )
+    ambiguous = Constraint("grammar", AMBIGUOUS, field="grammar")
+    slow, fast = (
+        masks_of(compiler, ambiguous)(),
+        masks_of(compiler, Constraint("regex", "[0-9]+"))(),
+    )
+    (ab,) = tokenizer.encode("ab", add_special_tokens=False)
+    (seven,) = tokenizer.encode("7", add_special_tokens=False)
+    for _ in range(100):  # its matcher moved on untimed: taking a token costs it time too
+        slow.matcher.consume_token(ab)
+
+    def fill(*masks) -> dict:
+        filled = start_filling(list(enumerate(masks)), len(masks), tokenizer.vocab_size)
+        filled.result()
+        return filled.failures()
+
+    assert fill(slow, fast) == {}  # which of them overran, a fill of both cannot tell
+    assert slow.fill_alone and fast.fill_alone
+    slow.matcher.consume_token(ab)
+    fast.accept(seven)
+    failures = fill(slow, fast)
+    assert list(failures) == [0] and failures[0].field == "grammar"
+    assert "past the limit of 0.03 s a token; simplify it" in str(failures[0])
+    assert not slow.fill_alone and not fast.fill_alone
+    fast.accept(seven)
+    assert fill(fast) == {} and not fast.fill_alone
+    for _ in range(2):
+        slow.matcher.consume_token(ab)
+        failures = fill(slow)
+    assert list(failures) == [0]
+
+
+def test_taking_a_token_past_the_limit_fails_once_its_cpu_time_says_so(tokenizer) -> None:
+    """A call that moves a mask on and overran the limit on the clock (which a busy machine
+    stretches) has the next one's CPU time read; that one past the limit fails."""
+    compiler = GrammarCompiler(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, step_time_limit=0.005
+    )
+    mask = masks_of(compiler, Constraint("grammar", AMBIGUOUS, field="grammar"))()
+    (ab,) = tokenizer.encode("ab", add_special_tokens=False)
+    for _ in range(100):  # taking a token now costs it over 0.02 s
+        mask.matcher.consume_token(ab)
+    mask.accept(ab)
+    assert mask.cpu_timed
+    with pytest.raises(ValidationError, match="past the limit of 0.005 s a token") as caught:
+        mask.accept(ab)
+    assert caught.value.field == "grammar"
+
+
+def test_a_model_whose_tokenizer_llguidance_cannot_read_refuses_every_constraint(
+    tokenizer, caplog
+) -> None:
+    no_decoder = Tokenizer(
+        BackendTokenizer.from_str(_without_decoder(tokenizer.backend.to_str())),
+        vocab_size=tokenizer.vocab_size,
+        bos_token_id=None,
+        eos_token_ids=tokenizer.eos_token_ids,
+        add_bos=False,
+        special_tokens={},
+        chat_template=None,
+    )
+    compiler = GrammarCompiler(no_decoder, no_decoder.vocab_size, no_decoder.eos_token_ids)
+    assert compiler.unavailable is not None
+    with pytest.raises(ValidationError) as caught:
+        compiler.compile(Constraint("regex", "[0-9]+", field="regex"))
+    assert str(caught.value).startswith(
+        "regex: structured output is not available for this model: its tokenizer has no decoder"
+    )
+    assert [r.levelname for r in caplog.records if "not available" in r.message] == ["WARNING"]
+
+
+def _without_decoder(tokenizer_json: str) -> str:
+    tokenizer = json.loads(tokenizer_json)
+    tokenizer["decoder"] = None
+    return json.dumps(tokenizer)
 
 
 @pytest.mark.parametrize("field, value", [("ignore_eos", True), ("min_tokens", 2)])

@@ -153,6 +153,7 @@ SAMPLES = {
     "engine_seed": 5,
     "enforce_eager": True,
     "grammar_compile_timeout": 2.5,
+    "grammar_step_timeout": 0.25,
     "grammar_fast_forward": False,
     "kernel_cache_dir": "/var/cache/pagedserve/kernels",
     "async_scheduling": True,

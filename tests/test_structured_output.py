@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import subprocess
+import sys
 from typing import Literal
 
 import grpc
@@ -26,7 +28,7 @@ from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import ServerConfig
 from tests.json_schemas import FIXED_KEYS_SCHEMA, slow_schema
-from tests.server_process import scrape_metrics
+from tests.server_process import free_port, scrape_metrics, start_server_process
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
 
@@ -586,3 +588,61 @@ def test_forced_tokens_are_appended_only_as_far_as_the_next_step_fits_a_cuda_gra
     assert got == want
     assert all(sum(step) <= 32 and max(step) <= MAX_GRAPH_ROWS_PER_SEQ for step in limited)
     assert len(limited) < len(want[0]) / 2 and llm.engine.num_forced_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def undecodable_model(tmp_path_factory):
+    """A tiny model whose tokenizer has no decoder (as benchmarks/gpu_bench.py's random
+    model's has none): llguidance cannot tell the bytes its tokens stand for."""
+    directory = tmp_path_factory.mktemp("no-decoder")
+    write_tiny_model(directory, "llama", max_position_embeddings=4096)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["decoder"] = None
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return directory
+
+
+def test_a_model_without_structured_output_starts_serves_and_refuses_constraints_by_field(
+    undecodable_model,
+) -> None:
+    """`pagedserve warmup` and `serve` start a model llguidance cannot read, each saying so
+    in one warning line; every constraint, a forced tool call's too, is refused naming its
+    field and why; a free request is answered."""
+    unavailable = "structured output is not available for this model: its tokenizer has no decoder"
+    command = [sys.executable, "-m", "service.cli", "warmup", "--model", str(undecodable_model)]
+    warmup = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert warmup.returncode == 0, warmup.stderr
+    assert warmup.stderr.count(unavailable) == 1, warmup.stderr
+
+    http_port = free_port()
+    server = start_server_process(undecodable_model, "--http-port", str(http_port))
+    try:
+        server.wait_ready(timeout=120)
+        with grpc.insecure_channel(server.target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            free = stub.Generate(greedy_grpc(8, text="hello"), timeout=60)
+            assert len(free.candidates[0].token_ids) == 8
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(greedy_grpc(8, text="hello", regex="[0-9]+"), timeout=60)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith(f"regex: {unavailable}"), caught.value
+
+        chat = {"messages": [{"role": "user", "content": "weather?"}]}
+        forced = {"tools": [WEATHER], "tool_choice": "required"}
+        schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}/v1", timeout=60) as http:
+            for body, field in [
+                ({"response_format": schema}, "response_format.json_schema.schema"),
+                (forced, "tools.function.parameters"),
+            ]:
+                refused = http.post("/chat/completions", json={**chat, **body, "max_tokens": 8})
+                assert refused.status_code == 400, refused.text
+                error = refused.json()["error"]
+                assert error["param"] == field, error
+                assert error["message"].startswith(f"{field}: {unavailable}"), error
+            answered = http.post("/chat/completions", json={**chat, "max_tokens": 8})
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["usage"]["completion_tokens"] >= 1
+        assert server.stderr().count(unavailable) == 1, server.stderr()
+    finally:
+        server.stop()
