@@ -147,7 +147,7 @@ def test_bodies_of_wrong_or_huge_values_are_refused_at_once(served):
         f"{label}: {took:.2f} s, peak RSS +{growth:.1f}x, {m}"
         for label, took, growth, m in refusals
     )
-    print(report)
+    print(f"{report}\nalone: {baseline.describe()}\nunder attack: {probe.pace.describe()}")
     probe.pace.assert_kept(baseline)
 
 
@@ -172,6 +172,7 @@ def test_a_client_without_the_key_is_refused_before_its_body_is_read(served):
     with PaceProbe(server.target, API_KEY) as probe:
         answers = [a for _ in attack_rounds([None]) for a in asyncio.run(four_at_once())]
     assert {status for status, _ in answers} == {401}, answers
+    print(f"alone: {baseline.describe()}\nunder attack: {probe.pace.describe()}")
     probe.pace.assert_kept(baseline)
 
 
