@@ -58,6 +58,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
 WATCHDOG_SECONDS = 1.0  # how often the watchdog looks at the engine
 KEEPALIVE_MS = 20_000  # ping an idle connection this often; no answer this long: it is gone
+# grpc.aio takes arriving calls off the event loop one at a time; those not taken yet wait
+# in grpc core, which by default sheds them once 1,000 wait (every one at 3,000), each with
+# a bare CANCELLED that no handler sees: a burst of thousands lost most of its calls so.
+# The front door answers overload itself (the queue bound: RESOURCE_EXHAUSTED with
+# retry-after-ms, counted), so every call must reach it: core never sheds.
+UNBOUNDED_PENDING_CALLS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -485,6 +491,8 @@ async def start_server(config: ServerConfig) -> Server:
         # cut) stops answering pings: its calls end then, and with them their requests.
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.server.max_pending_requests", UNBOUNDED_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", UNBOUNDED_PENDING_CALLS),
     ]
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
     interceptors = []
