@@ -78,7 +78,7 @@ class ServerConfig:
     engine_process: bool | None = None
     drain_seconds: float = 30.0  # grace for in-flight requests after SIGTERM
     # Work outstanding and no step finished for this long: the loop is stuck, and health
-    # goes NOT_SERVING. Far above any one step (a long prefill, a CUDA-graph capture).
+    # is NOT_SERVING until it steps again. Far above any one step (a long prefill).
     engine_stall_seconds: float = 60.0
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
@@ -444,21 +444,48 @@ class Server:
         return await self.service.wait_idle(grace_seconds)
 
     def watch_engine(self, stall_seconds: float, every: float = WATCHDOG_SECONDS) -> asyncio.Task:
-        """Start the watchdog over the attached engine; it ends with the server (stop())."""
+        """Start the watchdog over the attached engine: a task that ends, with the reason,
+        once the engine loop is dead (serve() then exits for a restart), and is cancelled
+        with the server (stop())."""
         self.watchdog = asyncio.ensure_future(
             self._watch(self.service.engine, stall_seconds, every)
         )
         return self.watchdog
 
-    async def _watch(self, engine: AsyncEngine, stall_seconds: float, every: float) -> None:
-        """Once the engine loop is dead or stuck, liveness and readiness go NOT_SERVING
-        for good, so Kubernetes takes the pod out of its Service and restarts it."""
-        while (fault := engine_fault(engine, stall_seconds)) is None:
+    async def _watch(self, engine: AsyncEngine, stall_seconds: float, every: float) -> str:
+        """Health tells the truth about the engine loop, looked at every `every` seconds:
+        readiness and liveness NOT_SERVING while it is stuck (work waiting and no step
+        finished for stall_seconds), SERVING again once it steps; so Kubernetes takes a
+        stuck pod out of its Service at once and restarts it once the stall outlasts the
+        liveness probe's failures, and a loop that recovers serves on. Returns why once
+        the loop is dead: nothing can bring it back."""
+        stuck: str | None = None
+        while engine.is_alive:
+            stalled = engine.stalled_seconds
+            if stuck is None and stalled > stall_seconds:
+                stuck = (
+                    f"engine loop is stuck: work waiting and no step finished for {stalled:.1f} s"
+                )
+                log.error("%s; readiness and liveness NOT_SERVING", stuck)
+                self.service.fault = stuck  # REST /health says so too
+                await self._set_health(readiness=False, liveness=False)
+            elif stuck is not None and stalled <= stall_seconds:
+                log.warning("engine loop steps again; readiness and liveness SERVING")
+                stuck = self.service.fault = None
+                await self._set_health(readiness=not self.service.draining, liveness=True)
             await asyncio.sleep(every)
-        log.error("%s; health is NOT_SERVING for a restart", fault)
-        self.service.fault = fault  # REST /health says so too
-        for name in (SERVICE_NAME, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        dead = f"engine loop is dead: {engine.fatal_error or 'it exited'}"
+        self.service.fault = dead
+        await self._set_health(readiness=False, liveness=False)
+        return dead
+
+    async def _set_health(self, readiness: bool, liveness: bool) -> None:
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        await self.health.set(SERVICE_NAME, serving if readiness else not_serving)
+        await self.health.set("", serving if liveness else not_serving)
 
     async def stop(self) -> None:
         if self.watchdog is not None:
@@ -470,17 +497,6 @@ class Server:
             await self.health_server.stop(None)
         await asyncio.to_thread(self.service.tracer.shutdown)  # flushes queued spans
         await asyncio.to_thread(self.service.metrics.stop_http_server)
-
-
-def engine_fault(engine: AsyncEngine, stall_seconds: float) -> str | None:
-    """Why the engine can serve no more, or None: its loop (thread or process) is gone, or
-    it has work and delivered nothing for stall_seconds. An idle engine is never stuck."""
-    if not engine.is_alive:
-        return f"engine loop is dead: {engine.fatal_error or 'it exited'}"
-    stalled = engine.stalled_seconds
-    if stalled > stall_seconds:
-        return f"engine loop is stuck: work waiting and no step finished for {stalled:.1f} s"
-    return None
 
 
 async def start_server(config: ServerConfig) -> Server:
@@ -618,9 +634,11 @@ def warm_up(engine: AsyncEngine) -> None:
         raise ModelLoadError(f"warm-up request failed: {exc}") from exc
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain: readiness off, new work refused, in-flight
-    requests finish within config.drain_seconds, exit."""
+    requests finish within config.drain_seconds; returns 0. A dead engine loop ends it too:
+    its requests in flight have failed, and it returns 1, so the process exits for a
+    restart rather than stay up with nothing to serve."""
     # The process's age now plus the monotonic time from here: its start, for time to ready.
     started = time.monotonic() - (process_age() or 0.0)
     stop = asyncio.Event()
@@ -642,7 +660,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     await server.set_ready(engine, model_name)
     ready_seconds = time.monotonic() - started
     server.service.metrics.time_to_ready.set(ready_seconds)
-    server.watch_engine(config.engine_stall_seconds)
+    watchdog = server.watch_engine(config.engine_stall_seconds)
     log.info(
         "serving %s on %s:%d, ready %.2f s after the process started (%s)",
         model_name,
@@ -651,9 +669,20 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         ready_seconds,
         engine.info.startup.describe(),
     )
-    await stop.wait()
-    log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)
-    if not await server.drain(config.drain_seconds):
-        log.warning("drain grace period over; cancelling the requests still running")
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((signalled, watchdog), return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if watchdog.done():
+        # The engine's death failed every request in flight (AsyncEngine._died); the drain
+        # lets their handlers send those errors and refuses new work meanwhile.
+        log.error("%s; exiting so that the process is restarted", watchdog.result())
+        await server.drain(config.drain_seconds)
+        exit_status = 1
+    else:
+        log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)
+        if not await server.drain(config.drain_seconds):
+            log.warning("drain grace period over; cancelling the requests still running")
+        exit_status = 0
     await server.stop()
     engine.shutdown(timeout=5)
+    return exit_status

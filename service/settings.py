@@ -203,8 +203,9 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "server",
         "engine_stall_seconds",
-        "engine watchdog: work waiting and no step finished for this long (or the engine loop "
-        "dead) turns liveness and readiness NOT_SERVING; keep it above the longest step",
+        "engine watchdog: work waiting and no step finished for this long turns liveness and "
+        "readiness NOT_SERVING until the loop steps again (a dead loop ends the process, exit "
+        "1); keep it above the longest step",
     ),
     _setting("server", "metrics_host", "address the Prometheus /metrics endpoint binds"),
     _setting("server", "metrics_port", "Prometheus /metrics port; unset: no metrics endpoint"),
