@@ -80,11 +80,11 @@ class ServerConfig:
     # Work outstanding and no step finished for this long: the loop is stuck, and health
     # is NOT_SERVING until it steps again. Far above any one step (a long prefill).
     engine_stall_seconds: float = 60.0
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str | None = None  # None: host's
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     trace_exporter: str = "none"  # none | console | otlp
     otlp_endpoint: str | None = None  # e.g. http://collector:4317 (otlp only)
-    http_host: str = "127.0.0.1"
+    http_host: str | None = None  # None: host's
     http_port: int | None = None  # the OpenAI-compatible REST shim; None: off
     # Callers must send "Authorization: Bearer <key>" (REST header, gRPC metadata); None: off.
     api_key: str | None = field(default=None, repr=False)  # never in logs
@@ -133,7 +133,7 @@ class ServerConfig:
                 f"must be one of {', '.join(TRACE_EXPORTERS)}, got {self.trace_exporter!r}",
             )
         for name in ("host", "metrics_host", "http_host"):
-            if not getattr(self, name):
+            if getattr(self, name) == "":
                 raise ValidationError(name, "must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValidationError("api_key", "must not be empty or blank")
@@ -146,6 +146,16 @@ class ServerConfig:
             )
         if self.tls_cert_file is not None:
             check_tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics listens: metrics_host, else where gRPC does."""
+        return self.host if self.metrics_host is None else self.metrics_host
+
+    @property
+    def http_bind_host(self) -> str:
+        """Where the REST shim listens: http_host, else where gRPC does."""
+        return self.host if self.http_host is None else self.http_host
 
     @property
     def tls(self) -> TlsFiles | None:
@@ -524,7 +534,9 @@ async def start_server(config: ServerConfig) -> Server:
     # Up before the model loads, so a scrape during a slow start still answers.
     metrics_port = None
     if config.metrics_port is not None:
-        metrics_port = service.metrics.start_http_server(config.metrics_host, config.metrics_port)
+        metrics_port = service.metrics.start_http_server(
+            config.metrics_bind_host, config.metrics_port
+        )
     inference_pb2_grpc.add_InferenceServicer_to_server(service, grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -551,7 +563,7 @@ async def start_server(config: ServerConfig) -> Server:
 
         http = await start_http(
             service,
-            config.http_host,
+            config.http_bind_host,
             config.http_port,
             config.api_key,
             tls=config.tls,
@@ -651,7 +663,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     if server.health_port is not None:
         log.info("gRPC health (plaintext) on %s:%d", config.host, server.health_port)
     if server.http is not None:
-        log.info("REST (OpenAI-compatible, %s) on %s:%d", tls, config.http_host, server.http.port)
+        log.info(
+            "REST (OpenAI-compatible, %s) on %s:%d", tls, config.http_bind_host, server.http.port
+        )
     # Off the loop, so health checks are answered (NOT_SERVING) while the model loads, its
     # KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
     engine = await run_on_own_thread(load_engine, engine_config, config)
