@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from service.http_api import HttpServer
 
 log = logging.getLogger(__name__)
+# The one line that says the server is up: where it listens, what it serves, how fast it
+# got there. Shown at the default log level (WARNING) without turning every INFO log on.
+ready_log = logging.getLogger("pagedserve")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
@@ -441,6 +444,19 @@ class Server:
     def http_port(self) -> int | None:
         return self.http.port if self.http is not None else None
 
+    def where(self, config: ServerConfig) -> str:
+        """Every address it listens on, by door: gRPC 127.0.0.1:50051 (plaintext), ..."""
+        tls = config.tls
+        security = "plaintext" if tls is None else "mTLS" if tls.mutual else "TLS"
+        doors = [f"gRPC {config.host}:{self.port} ({security})"]
+        if self.http is not None:
+            doors.append(f"REST {config.http_bind_host}:{self.http.port}")
+        if self.metrics_port is not None:
+            doors.append(f"metrics {config.metrics_bind_host}:{self.metrics_port}")
+        if self.health_port is not None:
+            doors.append(f"health {config.host}:{self.health_port} (plaintext)")
+        return ", ".join(doors)
+
     async def set_ready(self, engine: AsyncEngine, model_name: str) -> None:
         self.service.attach(engine, model_name)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -650,7 +666,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain: readiness off, new work refused, in-flight
     requests finish within config.drain_seconds; returns 0. A dead engine loop ends it too:
     its requests in flight have failed, and it returns 1, so the process exits for a
-    restart rather than stay up with nothing to serve."""
+    restart rather than stay up with nothing to serve. However it ends (a model that does
+    not load raises), the server and the engine are stopped first."""
     # The process's age now plus the monotonic time from here: its start, for time to ready.
     started = time.monotonic() - (process_age() or 0.0)
     stop = asyncio.Event()
@@ -658,31 +675,35 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(config)
-    tls = "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS"
-    log.info("gRPC (%s) on %s:%d; loading the model", tls, config.host, server.port)
-    if server.health_port is not None:
-        log.info("gRPC health (plaintext) on %s:%d", config.host, server.health_port)
-    if server.http is not None:
-        log.info(
-            "REST (OpenAI-compatible, %s) on %s:%d", tls, config.http_bind_host, server.http.port
-        )
-    # Off the loop, so health checks are answered (NOT_SERVING) while the model loads, its
-    # KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
-    engine = await run_on_own_thread(load_engine, engine_config, config)
-    warm_up(engine)
-    model_name = Path(engine.info.model_path).name
-    await server.set_ready(engine, model_name)
-    ready_seconds = time.monotonic() - started
-    server.service.metrics.time_to_ready.set(ready_seconds)
-    watchdog = server.watch_engine(config.engine_stall_seconds)
-    log.info(
-        "serving %s on %s:%d, ready %.2f s after the process started (%s)",
-        model_name,
-        config.host,
-        server.port,
-        ready_seconds,
-        engine.info.startup.describe(),
-    )
+    engine: AsyncEngine | None = None
+    try:
+        log.info("listening on %s; loading the model", server.where(config))
+        # Off the loop, so health checks are answered (NOT_SERVING) while the model loads,
+        # its KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
+        engine = await run_on_own_thread(load_engine, engine_config, config)
+        warm_up(engine)
+        model_name = Path(engine.info.model_path).name
+        await server.set_ready(engine, model_name)
+        ready_seconds = time.monotonic() - started
+        server.service.metrics.time_to_ready.set(ready_seconds)
+        watchdog = server.watch_engine(config.engine_stall_seconds)
+        log.info("start-up: %s", engine.info.startup.describe())
+        if logging.getLogger().getEffectiveLevel() <= logging.WARNING:  # not when only errors
+            ready_log.setLevel(logging.INFO)
+        where = server.where(config)
+        ready_log.info("serving %s on %s; ready in %.2f s", model_name, where, ready_seconds)
+        return await _until_stopped(server, stop, watchdog, config.drain_seconds)
+    finally:
+        await server.stop()
+        if engine is not None:
+            engine.shutdown(timeout=5)
+
+
+async def _until_stopped(
+    server: Server, stop: asyncio.Event, watchdog: asyncio.Task, drain_seconds: float
+) -> int:
+    """Wait for a signal (stop) or the engine's death (the watchdog's end), then drain;
+    the process's exit status."""
     signalled = asyncio.ensure_future(stop.wait())
     await asyncio.wait((signalled, watchdog), return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
@@ -690,13 +711,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         # The engine's death failed every request in flight (AsyncEngine._died); the drain
         # lets their handlers send those errors and refuses new work meanwhile.
         log.error("%s; exiting so that the process is restarted", watchdog.result())
-        await server.drain(config.drain_seconds)
-        exit_status = 1
-    else:
-        log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)
-        if not await server.drain(config.drain_seconds):
-            log.warning("drain grace period over; cancelling the requests still running")
-        exit_status = 0
-    await server.stop()
-    engine.shutdown(timeout=5)
-    return exit_status
+        await server.drain(drain_seconds)
+        return 1
+    log.info("draining: up to %.0f s for in-flight requests", drain_seconds)
+    if not await server.drain(drain_seconds):
+        log.warning("drain grace period over; cancelling the requests still running")
+    return 0
