@@ -61,6 +61,11 @@ class EngineProcess(EngineCore):
         if self._reader.is_alive():
             self._reader.join(timeout)
 
+    def is_alive(self) -> bool:
+        """Until the reader has handed on the child's last output: a child that is gone is
+        dead to callers only once its death (why, and the requests it failed) is told."""
+        return self._reader.is_alive()
+
     @property
     def pid(self) -> int | None:
         return self._worker.pid

@@ -79,6 +79,7 @@ def start_up(config: EngineConfig) -> EngineParts:
         model_load=loaded - started,
         kv_profile=sized - loaded,
         cuda_graphs=time.monotonic() - sized if use_graphs else 0.0,
+        cuda_graph_bytes=runner.graphs.memory_bytes if use_graphs else 0,
     )
     max_model_len = min(model_len, pool_tokens)
     log.info(

@@ -16,17 +16,22 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StartupTimes:
-    """Seconds each start-up phase took in the process that built the engine (0: not run)."""
+    """Seconds each start-up phase took in the process that built the engine (0: not run),
+    and the device memory its CUDA graphs hold."""
 
     model_load: float = 0.0  # tokenizer and weights onto the device
     kv_profile: float = 0.0  # the largest step profiled (CUDA), the KV pool sized and allocated
     cuda_graphs: float = 0.0  # decode graphs captured
     warmup: float = 0.0  # engine/warmup.py: every kernel path run once
+    cuda_graph_bytes: int = 0  # held by the graphs (engine/cuda_graphs.py: device_memory_taken)
 
     def describe(self) -> str:
+        graphs = f"CUDA graphs {self.cuda_graphs:.2f} s"
+        if self.cuda_graph_bytes:
+            graphs += f" ({self.cuda_graph_bytes / 2**30:.2f} GiB)"
         return (
             f"model load {self.model_load:.2f} s, KV profile {self.kv_profile:.2f} s, "
-            f"CUDA graphs {self.cuda_graphs:.2f} s, warm-up {self.warmup:.2f} s"
+            f"{graphs}, warm-up {self.warmup:.2f} s"
         )
 
 

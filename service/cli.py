@@ -87,8 +87,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     # Both configs are validated here, before serve() starts loading the model.
     engine_config, server_config = settings.engine_config(), settings.server_config()
-    asyncio.run(serve(engine_config, server_config))
-    return 0
+    return asyncio.run(serve(engine_config, server_config))
 
 
 def cmd_warmup(args: argparse.Namespace, settings: Settings) -> int:

@@ -96,7 +96,7 @@ class FrontDoor:
         self.model_name = ""
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None)
         self.draining = False
-        self.fault: str | None = None  # the watchdog's verdict: this engine serves no more
+        self.fault: str | None = None  # the watchdog's: why the engine is stuck or dead
         self.log_requests = False  # ServerConfig.log_requests
         self.tool_parser_setting = "auto"  # ServerConfig.tool_parser
         self._in_flight = 0

@@ -55,11 +55,20 @@ if TYPE_CHECKING:
     from service.http_api import HttpServer
 
 log = logging.getLogger(__name__)
+# The one line that says the server is up: where it listens, what it serves, how fast it
+# got there. Shown at the default log level (WARNING) without turning every INFO log on.
+ready_log = logging.getLogger("pagedserve")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRY_AFTER_MS = "250"
 WATCHDOG_SECONDS = 1.0  # how often the watchdog looks at the engine
 KEEPALIVE_MS = 20_000  # ping an idle connection this often; no answer this long: it is gone
+# grpc.aio takes arriving calls off the event loop one at a time; those not taken yet wait
+# in grpc core, which by default sheds them once 1,000 wait (every one at 3,000), each with
+# a bare CANCELLED that no handler sees: a burst of thousands lost most of its calls so.
+# The front door answers overload itself (the queue bound: RESOURCE_EXHAUSTED with
+# retry-after-ms, counted), so every call must reach it: core never sheds.
+UNBOUNDED_PENDING_CALLS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,13 @@ class ServerConfig:
     engine_process: bool | None = None
     drain_seconds: float = 30.0  # grace for in-flight requests after SIGTERM
     # Work outstanding and no step finished for this long: the loop is stuck, and health
-    # goes NOT_SERVING. Far above any one step (a long prefill, a CUDA-graph capture).
+    # is NOT_SERVING until it steps again. Far above any one step (a long prefill).
     engine_stall_seconds: float = 60.0
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str | None = None  # None: host's
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
     trace_exporter: str = "none"  # none | console | otlp
     otlp_endpoint: str | None = None  # e.g. http://collector:4317 (otlp only)
-    http_host: str = "127.0.0.1"
+    http_host: str | None = None  # None: host's
     http_port: int | None = None  # the OpenAI-compatible REST shim; None: off
     # Seconds a REST client has to send a request's headers, and again its body.
     http_read_timeout: float = 30.0
@@ -135,7 +144,7 @@ class ServerConfig:
                 f"must be one of {', '.join(TRACE_EXPORTERS)}, got {self.trace_exporter!r}",
             )
         for name in ("host", "metrics_host", "http_host"):
-            if not getattr(self, name):
+            if getattr(self, name) == "":
                 raise ValidationError(name, "must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValidationError("api_key", "must not be empty or blank")
@@ -148,6 +157,16 @@ class ServerConfig:
             )
         if self.tls_cert_file is not None:
             check_tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics listens: metrics_host, else where gRPC does."""
+        return self.host if self.metrics_host is None else self.metrics_host
+
+    @property
+    def http_bind_host(self) -> str:
+        """Where the REST shim listens: http_host, else where gRPC does."""
+        return self.host if self.http_host is None else self.http_host
 
     @property
     def tls(self) -> TlsFiles | None:
@@ -444,6 +463,19 @@ class Server:
     def http_port(self) -> int | None:
         return self.http.port if self.http is not None else None
 
+    def where(self, config: ServerConfig) -> str:
+        """Every address it listens on, by door: gRPC 127.0.0.1:50051 (plaintext), ..."""
+        tls = config.tls
+        security = "plaintext" if tls is None else "mTLS" if tls.mutual else "TLS"
+        doors = [f"gRPC {config.host}:{self.port} ({security})"]
+        if self.http is not None:
+            doors.append(f"REST {config.http_bind_host}:{self.http.port}")
+        if self.metrics_port is not None:
+            doors.append(f"metrics {config.metrics_bind_host}:{self.metrics_port}")
+        if self.health_port is not None:
+            doors.append(f"health {config.host}:{self.health_port} (plaintext)")
+        return ", ".join(doors)
+
     async def set_ready(self, engine: AsyncEngine, model_name: str) -> None:
         self.service.attach(engine, model_name)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -457,21 +489,48 @@ class Server:
         return await self.service.wait_idle(grace_seconds)
 
     def watch_engine(self, stall_seconds: float, every: float = WATCHDOG_SECONDS) -> asyncio.Task:
-        """Start the watchdog over the attached engine; it ends with the server (stop())."""
+        """Start the watchdog over the attached engine: a task that ends, with the reason,
+        once the engine loop is dead (serve() then exits for a restart), and is cancelled
+        with the server (stop())."""
         self.watchdog = asyncio.ensure_future(
             self._watch(self.service.engine, stall_seconds, every)
         )
         return self.watchdog
 
-    async def _watch(self, engine: AsyncEngine, stall_seconds: float, every: float) -> None:
-        """Once the engine loop is dead or stuck, liveness and readiness go NOT_SERVING
-        for good, so Kubernetes takes the pod out of its Service and restarts it."""
-        while (fault := engine_fault(engine, stall_seconds)) is None:
+    async def _watch(self, engine: AsyncEngine, stall_seconds: float, every: float) -> str:
+        """Health tells the truth about the engine loop, looked at every `every` seconds:
+        readiness and liveness NOT_SERVING while it is stuck (work waiting and no step
+        finished for stall_seconds), SERVING again once it steps; so Kubernetes takes a
+        stuck pod out of its Service at once and restarts it once the stall outlasts the
+        liveness probe's failures, and a loop that recovers serves on. Returns why once
+        the loop is dead: nothing can bring it back."""
+        stuck: str | None = None
+        while engine.is_alive:
+            stalled = engine.stalled_seconds
+            if stuck is None and stalled > stall_seconds:
+                stuck = (
+                    f"engine loop is stuck: work waiting and no step finished for {stalled:.1f} s"
+                )
+                log.error("%s; readiness and liveness NOT_SERVING", stuck)
+                self.service.fault = stuck  # REST /health says so too
+                await self._set_health(readiness=False, liveness=False)
+            elif stuck is not None and stalled <= stall_seconds:
+                log.warning("engine loop steps again; readiness and liveness SERVING")
+                stuck = self.service.fault = None
+                await self._set_health(readiness=not self.service.draining, liveness=True)
             await asyncio.sleep(every)
-        log.error("%s; health is NOT_SERVING for a restart", fault)
-        self.service.fault = fault  # REST /health says so too
-        for name in (SERVICE_NAME, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        dead = f"engine loop is dead: {engine.fatal_error or 'it exited'}"
+        self.service.fault = dead
+        await self._set_health(readiness=False, liveness=False)
+        return dead
+
+    async def _set_health(self, readiness: bool, liveness: bool) -> None:
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        await self.health.set(SERVICE_NAME, serving if readiness else not_serving)
+        await self.health.set("", serving if liveness else not_serving)
 
     async def stop(self) -> None:
         if self.watchdog is not None:
@@ -485,17 +544,6 @@ class Server:
         await asyncio.to_thread(self.service.metrics.stop_http_server)
 
 
-def engine_fault(engine: AsyncEngine, stall_seconds: float) -> str | None:
-    """Why the engine can serve no more, or None: its loop (thread or process) is gone, or
-    it has work and delivered nothing for stall_seconds. An idle engine is never stuck."""
-    if not engine.is_alive:
-        return f"engine loop is dead: {engine.fatal_error or 'it exited'}"
-    stalled = engine.stalled_seconds
-    if stalled > stall_seconds:
-        return f"engine loop is stuck: work waiting and no step finished for {stalled:.1f} s"
-    return None
-
-
 async def start_server(config: ServerConfig) -> Server:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -504,6 +552,8 @@ async def start_server(config: ServerConfig) -> Server:
         # cut) stops answering pings: its calls end then, and with them their requests.
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.server.max_pending_requests", UNBOUNDED_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", UNBOUNDED_PENDING_CALLS),
     ]
     service = InferenceService(configure_tracing(config.trace_exporter, config.otlp_endpoint))
     interceptors = []
@@ -519,7 +569,9 @@ async def start_server(config: ServerConfig) -> Server:
     # Up before the model loads, so a scrape during a slow start still answers.
     metrics_port = None
     if config.metrics_port is not None:
-        metrics_port = service.metrics.start_http_server(config.metrics_host, config.metrics_port)
+        metrics_port = service.metrics.start_http_server(
+            config.metrics_bind_host, config.metrics_port
+        )
     inference_pb2_grpc.add_InferenceServicer_to_server(service, grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -546,7 +598,7 @@ async def start_server(config: ServerConfig) -> Server:
 
         http = await start_http(
             service,
-            config.http_host,
+            config.http_bind_host,
             config.http_port,
             config.api_key,
             tls=config.tls,
@@ -630,9 +682,12 @@ def warm_up(engine: AsyncEngine) -> None:
         raise ModelLoadError(f"warm-up request failed: {exc}") from exc
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT, then drain: readiness off, new work refused, in-flight
-    requests finish within config.drain_seconds, exit."""
+    requests finish within config.drain_seconds; returns 0. A dead engine loop ends it too:
+    its requests in flight have failed, and it returns 1, so the process exits for a
+    restart rather than stay up with nothing to serve. However it ends (a model that does
+    not load raises), the server and the engine are stopped first."""
     # The process's age now plus the monotonic time from here: its start, for time to ready.
     started = time.monotonic() - (process_age() or 0.0)
     stop = asyncio.Event()
@@ -640,32 +695,45 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(config)
-    tls = "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS"
-    log.info("gRPC (%s) on %s:%d; loading the model", tls, config.host, server.port)
-    if server.health_port is not None:
-        log.info("gRPC health (plaintext) on %s:%d", config.host, server.health_port)
-    if server.http is not None:
-        log.info("REST (OpenAI-compatible, %s) on %s:%d", tls, config.http_host, server.http.port)
-    # Off the loop, so health checks are answered (NOT_SERVING) while the model loads, its
-    # KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
-    engine = await run_on_own_thread(load_engine, engine_config, config)
-    warm_up(engine)
-    model_name = Path(engine.info.model_path).name
-    await server.set_ready(engine, model_name)
-    ready_seconds = time.monotonic() - started
-    server.service.metrics.time_to_ready.set(ready_seconds)
-    server.watch_engine(config.engine_stall_seconds)
-    log.info(
-        "serving %s on %s:%d, ready %.2f s after the process started (%s)",
-        model_name,
-        config.host,
-        server.port,
-        ready_seconds,
-        engine.info.startup.describe(),
-    )
-    await stop.wait()
-    log.info("draining: up to %.0f s for in-flight requests", config.drain_seconds)
-    if not await server.drain(config.drain_seconds):
+    engine: AsyncEngine | None = None
+    try:
+        log.info("listening on %s; loading the model", server.where(config))
+        # Off the loop, so health checks are answered (NOT_SERVING) while the model loads,
+        # its KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
+        engine = await run_on_own_thread(load_engine, engine_config, config)
+        warm_up(engine)
+        model_name = Path(engine.info.model_path).name
+        await server.set_ready(engine, model_name)
+        ready_seconds = time.monotonic() - started
+        server.service.metrics.time_to_ready.set(ready_seconds)
+        watchdog = server.watch_engine(config.engine_stall_seconds)
+        log.info("start-up: %s", engine.info.startup.describe())
+        if logging.getLogger().getEffectiveLevel() <= logging.WARNING:  # not when only errors
+            ready_log.setLevel(logging.INFO)
+        where = server.where(config)
+        ready_log.info("serving %s on %s; ready in %.2f s", model_name, where, ready_seconds)
+        return await _until_stopped(server, stop, watchdog, config.drain_seconds)
+    finally:
+        await server.stop()
+        if engine is not None:
+            engine.shutdown(timeout=5)
+
+
+async def _until_stopped(
+    server: Server, stop: asyncio.Event, watchdog: asyncio.Task, drain_seconds: float
+) -> int:
+    """Wait for a signal (stop) or the engine's death (the watchdog's end), then drain;
+    the process's exit status."""
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((signalled, watchdog), return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if watchdog.done():
+        # The engine's death failed every request in flight (AsyncEngine._died); the drain
+        # lets their handlers send those errors and refuses new work meanwhile.
+        log.error("%s; exiting so that the process is restarted", watchdog.result())
+        await server.drain(drain_seconds)
+        return 1
+    log.info("draining: up to %.0f s for in-flight requests", drain_seconds)
+    if not await server.drain(drain_seconds):
         log.warning("drain grace period over; cancelling the requests still running")
-    await server.stop()
-    engine.shutdown(timeout=5)
+    return 0

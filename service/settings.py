@@ -192,7 +192,12 @@ SETTINGS: tuple[Setting, ...] = (
         "split long prompts over several steps",
         flag="chunked-prefill",
     ),
-    _setting("server", "host", "address the gRPC server binds"),
+    _setting(
+        "server",
+        "host",
+        "address the gRPC server binds, and REST and /metrics unless their own is set "
+        "(0.0.0.0: every interface)",
+    ),
     _setting("server", "grpc_port", "gRPC port (0: any free port)"),
     _setting(
         "server", "max_message_bytes", "largest gRPC message, either way, and REST body (413)"
@@ -210,14 +215,19 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "server",
         "engine_stall_seconds",
-        "engine watchdog: work waiting and no step finished for this long (or the engine loop "
-        "dead) turns liveness and readiness NOT_SERVING; keep it above the longest step",
+        "engine watchdog: work waiting and no step finished for this long turns liveness and "
+        "readiness NOT_SERVING until the loop steps again (a dead loop ends the process, exit "
+        "1); keep it above the longest step",
     ),
-    _setting("server", "metrics_host", "address the Prometheus /metrics endpoint binds"),
+    _setting(
+        "server",
+        "metrics_host",
+        "address the Prometheus /metrics endpoint binds; unset: host's",
+    ),
     _setting("server", "metrics_port", "Prometheus /metrics port; unset: no metrics endpoint"),
     _setting("server", "trace_exporter", "OpenTelemetry spans", choices=TRACE_EXPORTERS),
     _setting("server", "otlp_endpoint", "e.g. http://collector:4317 (trace_exporter otlp only)"),
-    _setting("server", "http_host", "address the OpenAI-compatible REST shim binds"),
+    _setting("server", "http_host", "address the OpenAI-compatible REST shim binds; unset: host's"),
     _setting(
         "server",
         "http_port",

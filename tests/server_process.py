@@ -112,8 +112,7 @@ def start_server_process(
     added to this process's environment."""
     grpc_port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "service.cli", "serve", "--model", str(model)]
-    command += ["--grpc-port", str(grpc_port), "--metrics-host", "127.0.0.1"]
-    command += ["--metrics-port", str(metrics_port), *args]
+    command += ["--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *args]
     log = tempfile.TemporaryFile("w+")
     environment = {**os.environ, **(env or {})}
     proc = subprocess.Popen(

@@ -107,7 +107,7 @@ def test_the_config_map_is_a_config_the_server_accepts(config_file):
     values = read_config_file(str(config_file))
     settings = resolve_settings(argparse.Namespace(config=str(config_file)), environ={})
     server, engine = settings.server_config(), settings.engine_config()
-    assert server.host == server.http_host == server.metrics_host == "0.0.0.0"
+    assert server.host == server.http_bind_host == server.metrics_bind_host == "0.0.0.0"
     assert (server.grpc_port, server.http_port, server.metrics_port) == (50051, 8000, 9090)
     assert engine.model is None  # the image's baked-in default unless PAGEDSERVE_MODEL says
     assert set(values) <= {"host", "grpc_port", "http_host", "http_port"} | {

@@ -1,6 +1,10 @@
-"""The engine watchdog: a loop that is stuck (work waiting, no step finishing) or dead
-(thread or child process gone) turns liveness and readiness NOT_SERVING over the real
-gRPC health service, so Kubernetes restarts the pod; an idle or a slow loop never does."""
+"""The engine watchdog: health tells the truth about the engine loop. A loop that is stuck
+(work waiting, no step finishing) turns liveness and readiness NOT_SERVING over the real
+gRPC health service, and SERVING again once it steps; an idle or a slow loop never turns
+them. A dead loop (thread or child process gone) fails its requests and ends
+`pagedserve serve` with a non-zero exit, so Kubernetes restarts it. Tried in process and
+against a real `pagedserve serve --engine-process` whose engine is stopped (SIGSTOP),
+resumed (SIGCONT) and killed (SIGKILL) from outside."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 
 import grpc
 import httpx2 as httpx
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -20,7 +25,8 @@ from engine.config import engine_config_from_flat
 from engine.engine_process import EngineProcess
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import SERVICE_NAME, ServerConfig, start_server
+from service.server import SERVICE_NAME, WATCHDOG_SECONDS, ServerConfig, start_server
+from tests.server_process import ServerProcess, free_port, start_server_process
 from tests.test_grpc_server import greedy, serving
 from tests.tiny_models import write_tiny_model
 
@@ -48,10 +54,10 @@ class Health:
             statuses.append(answer.status)
         return statuses[0], statuses[1]
 
-    async def wait_not_serving(self, timeout: float) -> float:
-        """Seconds until both statuses are NOT_SERVING; fails after timeout."""
+    async def wait_for(self, status: int, timeout: float) -> float:
+        """Seconds until both statuses are `status`; fails after timeout."""
         start = time.monotonic()
-        while await self.both() != (NOT_SERVING, NOT_SERVING):
+        while await self.both() != (status, status):
             assert time.monotonic() - start < timeout, await self.both()
             await asyncio.sleep(0.05)
         return time.monotonic() - start
@@ -68,7 +74,7 @@ def patch_forward(core, before_step) -> None:
     core.runner.forward = patched
 
 
-async def test_a_stuck_loop_turns_liveness_and_readiness_not_serving(tiny_model):
+async def test_a_stuck_loop_is_not_serving_until_it_steps_again(tiny_model):
     config = ServerConfig(grpc_port=0, http_port=0)
     async with serving(tiny_model, config) as (srv, core, engine):
         srv.watch_engine(STALL_SECONDS, every=EVERY)
@@ -84,17 +90,20 @@ async def test_a_stuck_loop_turns_liveness_and_readiness_not_serving(tiny_model)
             try:
                 await asyncio.sleep(STALL_SECONDS / 3)
                 assert await health.both() == (SERVING, SERVING)  # the clock began at submit
-                took = await health.wait_not_serving(timeout=5 * STALL_SECONDS)
+                took = await health.wait_for(NOT_SERVING, timeout=5 * STALL_SECONDS)
                 assert STALL_SECONDS / 3 < took < 3 * STALL_SECONDS
-                assert srv.watchdog.done() and srv.watchdog.exception() is None
+                async with httpx.AsyncClient() as http:  # the REST shim's /health agrees
+                    reply = await http.get(f"http://127.0.0.1:{srv.http_port}/health")
+                assert reply.status_code == 503 and "stuck" in reply.json()["error"]["message"]
             finally:
                 release.set()  # the step finishes; the request completes
             response = await asyncio.wait_for(stuck, 30)
             assert len(response.candidates[0].token_ids) == 3
-            assert await health.both() == (NOT_SERVING, NOT_SERVING)  # for good
-            async with httpx.AsyncClient() as http:  # the REST shim's /health agrees
+            assert await health.wait_for(SERVING, timeout=10 * EVERY) < 10 * EVERY
+            async with httpx.AsyncClient() as http:
                 reply = await http.get(f"http://127.0.0.1:{srv.http_port}/health")
-            assert reply.status_code == 503 and "stuck" in reply.json()["error"]["message"]
+            assert reply.status_code == 200
+            assert not srv.watchdog.done()
         assert core.block_manager.num_used_blocks == 0
 
 
@@ -138,11 +147,105 @@ async def test_a_killed_engine_process_fails_its_streams_and_health(tiny_model):
                         pass
                 assert err.value.code() == grpc.StatusCode.INTERNAL
                 assert "engine process died" in err.value.details()
-            assert await health.wait_not_serving(timeout=5) < 5
+            assert await health.wait_for(NOT_SERVING, timeout=5) < 5
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(pb.GenerateRequest(text="after", **greedy(2)))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # The watchdog's task ends with the reason, which ends `serve` (see below).
+            assert "engine process died" in await asyncio.wait_for(srv.watchdog, 5)
     finally:
         await srv.stop()
         engine.shutdown(timeout=5)
-    assert srv.watchdog.done()
+
+
+# ---- against `pagedserve serve --engine-process`, from outside ---------------------------
+
+SERVER_ARGS = (
+    "--engine-process", "--engine-stall-seconds", str(STALL_SECONDS), "--drain-seconds", "5",
+    "--num-blocks", "512", "--block-size", "4",
+)  # fmt: skip
+LONG = 400  # tokens: a stream runs for a while, so it is still running when its engine stops
+
+
+def engine_process(server: ServerProcess) -> psutil.Process:
+    """The server's engine child (spawned by multiprocessing, beside its resource tracker)."""
+    (child,) = [
+        p
+        for p in psutil.Process(server.proc.pid).children()
+        if any("spawn_main" in part for part in p.cmdline())
+    ]
+    return child
+
+
+def wait_for_health(server: ServerProcess, status: int, timeout: float) -> float:
+    """Seconds until readiness and liveness both answer `status`; fails after timeout."""
+    start = time.monotonic()
+    while (server.health(), server.health("")) != (status, status):
+        assert time.monotonic() - start < timeout, (server.health(), server.health(""))
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def long_streams(channel: grpc.Channel, count: int) -> list:
+    """count greedy streams of LONG tokens, each read until its first message (running)."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    streams = [
+        stub.StreamGenerate(pb.GenerateRequest(text=f"stream {i}", **greedy(LONG)))
+        for i in range(count)
+    ]
+    return [(next(stream), stream) for stream in streams]
+
+
+def test_a_stopped_engine_process_is_not_serving_until_it_resumes(tiny_model):
+    """SIGSTOP the engine with streams running: readiness and liveness go NOT_SERVING once
+    the stall passes engine_stall_seconds (REST /health 503 with the reason); SIGCONT: both
+    SERVING again within two watchdog periods, and the streams finish every token."""
+    http_port = free_port()
+    server = start_server_process(tiny_model, *SERVER_ARGS, "--http-port", str(http_port))
+    try:
+        server.wait_ready(timeout=120)
+        engine = engine_process(server)
+        with grpc.insecure_channel(server.target) as channel:
+            streams = long_streams(channel, 3)
+            engine.suspend()
+            try:
+                took = wait_for_health(server, NOT_SERVING, timeout=5 * STALL_SECONDS)
+                assert took < 3 * STALL_SECONDS
+                reply = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5)
+                assert reply.status_code == 503 and "stuck" in reply.json()["error"]["message"]
+            finally:
+                engine.resume()
+            assert wait_for_health(server, SERVING, timeout=5) < 2 * WATCHDOG_SECONDS + 0.5
+            assert httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5).status_code == 200
+            for first, stream in streams:
+                rest = list(stream)
+                assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == LONG
+        assert server.proc.poll() is None  # it serves on
+        assert "engine loop steps again" in server.stderr()
+    finally:
+        server.stop()
+
+
+def test_a_killed_engine_process_fails_its_streams_and_ends_the_server(tiny_model):
+    """SIGKILL the engine with streams running: each ends INTERNAL naming the engine's
+    death, and `pagedserve serve` exits 1 (for Kubernetes to restart it), having logged
+    why, within the watchdog's period plus the drain that lets those errors out."""
+    server = start_server_process(tiny_model, *SERVER_ARGS)
+    try:
+        server.wait_ready(timeout=120)
+        engine = engine_process(server)
+        with grpc.insecure_channel(server.target) as channel:
+            streams = long_streams(channel, 3)
+            engine.kill()
+            killed_at = time.monotonic()
+            for _, stream in streams:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stream)
+                assert err.value.code() == grpc.StatusCode.INTERNAL
+                assert "engine process died" in err.value.details()
+        assert server.proc.wait(timeout=15) == 1
+        assert time.monotonic() - killed_at < 2 * WATCHDOG_SECONDS + 5
+        log = server.stderr()
+        assert "engine loop is dead: engine process died" in log and "exiting" in log, log
+    finally:
+        server.stop()
