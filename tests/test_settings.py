@@ -173,6 +173,7 @@ SAMPLES = {
     "engine_process": True,
     "drain_seconds": 1.5,
     "engine_stall_seconds": 7.5,
+    "http_read_timeout": 12.5,
     "metrics_host": "127.0.0.1",
     "metrics_port": 9090,
     "trace_exporter": "console",
