@@ -6,6 +6,7 @@ service for readiness, and the Prometheus endpoint for what the engine holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,3 +121,16 @@ def start_server_process(
         command, stdout=subprocess.DEVNULL, stderr=log, text=True, env=environment
     )
     return ServerProcess(proc, grpc_port, metrics_port, log)
+
+
+@contextlib.contextmanager
+def running_server(
+    model: Path, *args: str, env: dict[str, str] | None = None, ready_within: float = 120
+) -> Iterator[ServerProcess]:
+    """start_server_process's server once it is ready, killed when the block ends."""
+    server = start_server_process(model, *args, env=env)
+    try:
+        server.wait_ready(ready_within)
+        yield server
+    finally:
+        server.stop()

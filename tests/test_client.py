@@ -26,7 +26,7 @@ from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.cli import main
 from service.server import SERVICE_NAME
-from tests.server_process import start_server_process
+from tests.server_process import running_server
 from tests.tiny_models import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,12 +37,8 @@ EXAMPLE_TARGET = "localhost:50051"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("client-tiny"), "llama")
-    process = start_server_process(model, "--num-blocks", "128")
-    try:
-        process.wait_ready(timeout=120)
+    with running_server(model, "--num-blocks", "128") as process:
         yield process
-    finally:
-        process.stop()
 
 
 def section(title: str) -> str:

@@ -16,19 +16,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from tests.server_process import ServerProcess, start_server_process
+from tests.server_process import ServerProcess, running_server
 
 KV_USED = "pagedserve_kv_cache_blocks_used"
 
 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf) -> ServerProcess:
-    server = start_server_process(smollm2_gguf, "--max-num-seqs", "64")
-    try:
-        server.wait_ready(timeout=300)
+    with running_server(smollm2_gguf, "--max-num-seqs", "64", ready_within=300) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def greedy(max_tokens: int, **sampling) -> dict:

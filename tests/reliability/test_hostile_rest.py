@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from tests.reliability.pace import PaceProbe, measure_pace
-from tests.server_process import ServerProcess, free_port, start_server_process
+from tests.server_process import ServerProcess, free_port, running_server
 from tests.tiny_models import write_tiny_model
 
 T = TypeVar("T")
@@ -63,7 +63,7 @@ def tiny_model(tmp_path_factory):
 def served(tiny_model):
     """A server with REST and an API key: (process, REST port)."""
     http_port = free_port()
-    server = start_server_process(
+    with running_server(
         tiny_model,
         "--http-port", str(http_port),
         "--api-key", API_KEY,
@@ -71,12 +71,8 @@ def served(tiny_model):
         "--max-queued-requests", "4096",
         "--max-num-seqs", "16",
         env={"PAGEDSERVE_LOG_LEVEL": "WARNING"},
-    )  # fmt: skip
-    try:
-        server.wait_ready(120)
+    ) as server:  # fmt: skip
         yield server, http_port
-    finally:
-        server.stop()
 
 
 def filled(template: str, piece: str) -> bytes:
@@ -300,9 +296,7 @@ def test_a_body_trickled_in_gets_408(served):
 def test_a_stream_longer_than_the_drain_ends_with_an_error_then_done(tmp_path):
     model = write_tiny_model(tmp_path, "llama", max_position_embeddings=8192)
     http_port = free_port()
-    server = start_server_process(model, "--http-port", str(http_port), "--drain-seconds", "1")
-    try:
-        server.wait_ready(120)
+    with running_server(model, "--http-port", str(http_port), "--drain-seconds", "1") as server:
         body = {"prompt": [5, 9], "max_tokens": 8000, "ignore_eos": True, "stream": True}
         url = f"http://127.0.0.1:{http_port}/v1/completions"
         with httpx.stream("POST", url, json=body, timeout=60) as response:
@@ -311,8 +305,6 @@ def test_a_stream_longer_than_the_drain_ends_with_an_error_then_done(tmp_path):
             server.proc.send_signal(signal.SIGTERM)
             rest = list(events)
         assert server.proc.wait(30) == 0, server.stderr()
-    finally:
-        server.stop()
     assert rest[-1] == "data: [DONE]", rest[-3:]
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
     assert error["type"] == "service_unavailable" and "shutting down" in error["message"], error
