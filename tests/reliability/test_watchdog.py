@@ -26,7 +26,7 @@ from engine.engine_process import EngineProcess
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import SERVICE_NAME, WATCHDOG_SECONDS, ServerConfig, start_server
-from tests.server_process import ServerProcess, free_port, start_server_process
+from tests.server_process import ServerProcess, free_port, running_server
 from tests.test_grpc_server import greedy, serving
 from tests.tiny_models import write_tiny_model
 
@@ -201,9 +201,7 @@ def test_a_stopped_engine_process_is_not_serving_until_it_resumes(tiny_model):
     the stall passes engine_stall_seconds (REST /health 503 with the reason); SIGCONT: both
     SERVING again within two watchdog periods, and the streams finish every token."""
     http_port = free_port()
-    server = start_server_process(tiny_model, *SERVER_ARGS, "--http-port", str(http_port))
-    try:
-        server.wait_ready(timeout=120)
+    with running_server(tiny_model, *SERVER_ARGS, "--http-port", str(http_port)) as server:
         engine = engine_process(server)
         with grpc.insecure_channel(server.target) as channel:
             streams = long_streams(channel, 3)
@@ -222,17 +220,13 @@ def test_a_stopped_engine_process_is_not_serving_until_it_resumes(tiny_model):
                 assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == LONG
         assert server.proc.poll() is None  # it serves on
         assert "engine loop steps again" in server.stderr()
-    finally:
-        server.stop()
 
 
 def test_a_killed_engine_process_fails_its_streams_and_ends_the_server(tiny_model):
     """SIGKILL the engine with streams running: each ends INTERNAL naming the engine's
     death, and `pagedserve serve` exits 1 (for Kubernetes to restart it), having logged
     why, within the watchdog's period plus the drain that lets those errors out."""
-    server = start_server_process(tiny_model, *SERVER_ARGS)
-    try:
-        server.wait_ready(timeout=120)
+    with running_server(tiny_model, *SERVER_ARGS) as server:
         engine = engine_process(server)
         with grpc.insecure_channel(server.target) as channel:
             streams = long_streams(channel, 3)
@@ -247,5 +241,3 @@ def test_a_killed_engine_process_fails_its_streams_and_ends_the_server(tiny_mode
         assert time.monotonic() - killed_at < 2 * WATCHDOG_SECONDS + 5
         log = server.stderr()
         assert "engine loop is dead: engine process died" in log and "exiting" in log, log
-    finally:
-        server.stop()
