@@ -185,6 +185,14 @@ SETTINGS: tuple[Setting, ...] = (
         "split long prompts over several steps",
         flag="chunked-prefill",
     ),
+    _setting(
+        "engine",
+        "target_step_seconds",
+        "cut each step's prefill to what a step of this many seconds holds at the rate the "
+        "last full step ran (never below its decodes and 16 prompt tokens): a leaving "
+        "caller and every stream's next token wait for the step running. Needs chunked "
+        "prefill; unset: 0.25 on the CPU, untimed on CUDA; 0: untimed",
+    ),
     _setting("server", "host", "address the gRPC server binds"),
     _setting("server", "grpc_port", "gRPC port (0: any free port)"),
     _setting(
