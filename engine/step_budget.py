@@ -22,7 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MIN_PREFILL_TOKENS = 16  # the prompt tokens a timed step may always carry beside its decodes
+# The prompt tokens a timed step may always carry beside its decodes. A matmul of 64 rows
+# keeps two thirds of a 2,048-row one's rate per row (benchmarks/RESULTS.md, the CPU's
+# projections), so a floor step wastes little where a loaded machine keeps steps at it.
+MIN_PREFILL_TOKENS = 64
 
 
 @dataclass

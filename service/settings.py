@@ -188,8 +188,8 @@ SETTINGS: tuple[Setting, ...] = (
     _setting(
         "engine",
         "target_step_seconds",
-        "cut each step's prefill to what a step of this many seconds holds at the rate the "
-        "last full step ran (never below its decodes and 16 prompt tokens): a leaving "
+        "cut each step's prefill to what a step of this many seconds holds at the rate "
+        "recent steps ran (never below its decodes and 64 prompt tokens): a leaving "
         "caller and every stream's next token wait for the step running. Needs chunked "
         "prefill; unset: 0.25 on the CPU, untimed on CUDA; 0: untimed",
     ),
