@@ -80,8 +80,8 @@ DEFAULT_STEPS = (
     "--max-queued-requests", "4096",
 )  # fmt: skip
 # Tiny random models (tests/tiny_models.py): the test's own, and one wide enough that a step
-# of 2,048 prompt tokens takes 4.7-5.2 s beside three busy processes on the two-core VM
-# (the tiny one: 0.13-0.27 s).
+# of 2,048 prompt tokens takes 4.7-5.2 s on one torch thread beside three busy processes
+# on the two-core VM (the tiny one: 0.14-0.27 s).
 MODELS = {
     "tiny": dict(max_position_embeddings=1024),
     "wide": dict(
