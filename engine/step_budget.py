@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# The prompt tokens a timed step may always carry beside its decodes. A matmul of 64 rows
-# keeps two thirds of a 2,048-row one's rate per row (benchmarks/RESULTS.md, the CPU's
-# projections), so a floor step wastes little where a loaded machine keeps steps at it.
+# The prompt tokens a timed step may always carry beside its decodes. The CPU's projections
+# run 32 rows at half the rate per row of 2,048 (38.9 vs 1,317 ms, benchmarks/RESULTS.md),
+# so 64 at about two thirds: a floor step wastes little where a loaded machine holds steps
+# at the floor.
 MIN_PREFILL_TOKENS = 64
 
 
