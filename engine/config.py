@@ -47,6 +47,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences (candidates) at once
     max_num_batched_tokens: int = 2048  # tokens per step, prefill and decode together
     enable_chunked_prefill: bool = True
+    # Cut each step's prefill to what a step of this many seconds holds at the measured
+    # rate (engine/step_budget.py): a step is what a leaving caller or a stream's next
+    # token waits for. None: CPU_TARGET_STEP_SECONDS on the CPU, untimed on CUDA, whose
+    # steps take milliseconds at the whole budget; 0: untimed.
+    target_step_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -55,7 +60,23 @@ class SchedulerConfig:
             raise ValidationError(
                 "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.target_step_seconds is not None:
+            if not 0 <= self.target_step_seconds < float("inf"):
+                raise ValidationError(
+                    "target_step_seconds",
+                    f"must be a finite number >= 0, got {self.target_step_seconds}",
+                )
+            if self.target_step_seconds > 0 and not self.enable_chunked_prefill:
+                raise ValidationError(
+                    "target_step_seconds",
+                    "needs chunked prefill: unchunked, a prompt runs whole in one step",
+                )
 
+
+# A quarter of a second: a leaving caller's work stops well within a second, and
+# SmolLM2-135M on the two-core VM still prefills 115-160 prompt tokens a step beside 32
+# decodes (a step of 2,048 prompt tokens there: 3.5 s, at much the same rate per token).
+CPU_TARGET_STEP_SECONDS = 0.25
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,6 +149,16 @@ class EngineConfig:
         if self.async_scheduling is None:
             return self.torch_device.type == "cuda"
         return self.async_scheduling
+
+    @property
+    def target_step_seconds(self) -> float | None:
+        """The scheduler's target_step_seconds, the default resolved for the device; None:
+        steps are not timed (0, CUDA by default, unchunked prefill)."""
+        scheduler = self.scheduler
+        if scheduler.target_step_seconds is None:
+            timed = self.torch_device.type == "cpu" and scheduler.enable_chunked_prefill
+            return CPU_TARGET_STEP_SECONDS if timed else None
+        return scheduler.target_step_seconds or None
 
     @property
     def block_size(self) -> int:

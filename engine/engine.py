@@ -85,7 +85,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.info.kv_num_blocks, config.block_size, caching)
         num_slots, runner = config.scheduler.max_num_seqs, self.runner
         slots = SlotBook(num_slots, runner.token_width, runner.block_width)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, slots)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, slots, config.target_step_seconds
+        )
         self.requests: dict[str, Request] = {}
         # Async scheduling: the step queued on the device and not collected yet.
         self._in_flight: _StepInFlight | None = None
@@ -233,7 +235,11 @@ class LLMEngine:
         plans the next step. Its sampling waits for the next call, right before the next
         forward. Where a grammar may force the tokens after step t's (grammar_fast_forward),
         step t is read back and its events made before step t+1 is scheduled: the forced
-        tokens are appended then (_append_forced), and t+1 computes them."""
+        tokens are appended then (_append_forced), and t+1 computes them.
+
+        The call's time goes to the scheduler's StepBudget, with the tokens it scheduled:
+        where steps are timed (the CPU), it runs the step whole."""
+        started = time.monotonic()
         # Where step t+1 builds on step t's tokens, the host reads them first: a proposer
         # guesses from them, and a grammar appends the tokens it forces after them.
         in_flight = self._in_flight
@@ -241,12 +247,15 @@ class LLMEngine:
         masked = in_flight is not None and in_flight.filling is not None
         reads_first = self.proposer is not None or (masked and fast_forward)
         events = self._collect_in_flight() if reads_first else []
-        launched = self._launch(self.scheduler.schedule(), events)
+        sched = self.scheduler.schedule()
+        launched = self._launch(sched, events)
         events += self._collect_in_flight()
         if launched is not None and not self.config.uses_async_scheduling:
             events += self._collect(launched)
         else:
             self._in_flight = launched
+        seconds = time.monotonic() - started
+        self.scheduler.budget.record(sched.num_tokens, sched.budget, seconds)
         return events
 
     def _collect_in_flight(self) -> list[CandidateEvent]:

@@ -1,7 +1,8 @@
 """Iteration-level continuous batching under a token budget.
 
-Each step takes, in this order, until the token budget (max_num_batched_tokens) or the
-sequence cap (max_num_seqs) runs out: running decodes (one token, or one and its proposed
+Each step takes, in this order, until the token budget (engine/step_budget.py:
+max_num_batched_tokens, on the CPU no more than a step of target_step_seconds holds) or
+the sequence cap (max_num_seqs) runs out: running decodes (one token, or one and its proposed
 tokens), then running prefills chunked in an earlier step, both by priority; then waiting
 sequences (new or preempted) by priority, FCFS among equals, from their longest cached
 prefix, a request's later candidates once its first has the prompt computed or ended
@@ -24,6 +25,7 @@ from engine.batch import SlotBook
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
 from engine.request import Sequence, SequenceStatus
+from engine.step_budget import StepBudget
 
 
 @dataclass
@@ -42,6 +44,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    budget: int = 0  # the tokens this step could take
+    num_tokens: int = 0  # the tokens it takes (an unchunked prompt may take more)
 
     @property
     def is_empty(self) -> bool:
@@ -49,8 +53,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, slots: SlotBook):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        slots: SlotBook,
+        target_step_seconds: float | None = None,
+    ):
         self.config = config
+        # The engine records each step's time in it (StepBudget.record).
+        self.budget = StepBudget(config.max_num_batched_tokens, target_step_seconds)
         self.block_manager = block_manager
         self.slots = slots
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
@@ -73,9 +85,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-
         # A sequence whose last token is still in flight may already have all it will get.
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
@@ -83,6 +92,8 @@ class Scheduler:
             uncomputed = seq.num_uncomputed_tokens
             if uncomputed > 0 and not seq.has_all_tokens:
                 (decodes if uncomputed == 1 else prefills).append(seq)
+        budget = self.budget.tokens(1 + len(seq.proposed) for seq in decodes)
+        out = SchedulerOutput(budget=budget)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -94,6 +105,7 @@ class Scheduler:
                 self.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
                 start = seq.num_computed_tokens
                 out.chunks.append(ScheduledChunk(seq, start, start + n))
+                out.num_tokens += n
                 budget -= n
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
@@ -121,6 +133,7 @@ class Scheduler:
             seq.slot = self.slots.place(seq.token_ids, seq.block_table.block_ids)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.chunks.append(ScheduledChunk(seq, start, start + n))
+            out.num_tokens += n
             budget -= min(n, budget)  # an unchunked prompt may take more than is left
         return out
 

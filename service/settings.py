@@ -193,6 +193,14 @@ SETTINGS: tuple[Setting, ...] = (
         flag="chunked-prefill",
     ),
     _setting(
+        "engine",
+        "target_step_seconds",
+        "cut each step's prefill to what a step of this many seconds holds at the rate "
+        "recent steps ran (never below its decodes and 64 prompt tokens): a leaving "
+        "caller and every stream's next token wait for the step running. Needs chunked "
+        "prefill; unset: 0.25 on the CPU, untimed on CUDA; 0: untimed",
+    ),
+    _setting(
         "server",
         "host",
         "address the gRPC server binds, and REST and /metrics unless their own is set "

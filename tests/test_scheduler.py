@@ -9,16 +9,19 @@ from __future__ import annotations
 import itertools
 from array import array
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.batch import SlotBook
-from engine.config import SchedulerConfig
+from engine.config import CPU_TARGET_STEP_SECONDS, EngineConfig, SchedulerConfig
+from engine.errors import ValidationError
 from engine.kv.block_manager import BlockManager
 from engine.request import Request, Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_budget import MIN_PREFILL_TOKENS, StepBudget
 from tests.invariants import check_invariants
 
 _arrivals = itertools.count()
@@ -61,7 +64,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert len(seqs) == len(set(map(id, seqs))), "a sequence scheduled twice in one step"
     # Unchunked prompts longer than the budget run whole, alone in their step.
     alone = not cfg.enable_chunked_prefill and len(out.chunks) == 1
-    assert sum(c.end - c.start for c in out.chunks) <= cfg.max_num_batched_tokens or alone
+    assert out.num_tokens == sum(c.end - c.start for c in out.chunks)
+    assert out.num_tokens <= out.budget <= cfg.max_num_batched_tokens or alone
     assert len(sched.running) <= cfg.max_num_seqs
     for c in out.chunks:
         assert c.seq.status is SequenceStatus.RUNNING
@@ -79,10 +83,13 @@ def has_work(sched: Scheduler) -> bool:
     return bool(sched.waiting or sched.running)
 
 
-def new_scheduler(num_blocks=64, block_size=4, max_seqs=8, budget=32, chunked=True) -> Scheduler:
+def new_scheduler(
+    num_blocks=64, block_size=4, max_seqs=8, budget=32, chunked=True, target_step_seconds=None
+) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
     slots = SlotBook(max_seqs, token_width=num_blocks * block_size + 1, block_width=num_blocks + 1)
-    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), bm, slots)
+    config = SchedulerConfig(max_seqs, budget, chunked)
+    return Scheduler(config, bm, slots, target_step_seconds)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> int:
@@ -144,6 +151,113 @@ def test_without_chunked_prefill_prompts_run_whole():
     assert [(c.seq, c.end - c.start) for c in out.chunks] == [(a, 10)]
 
 
+class SimulatedCPU:
+    """A step costs a fixed part and a part per token (the CPU's prefill, roughly)."""
+
+    def __init__(self, fixed: float, per_token: float):
+        self.fixed, self.per_token = fixed, per_token
+
+    def step(self, sched: Scheduler) -> tuple[SchedulerOutput, float]:
+        """Schedule and run one step, telling the scheduler its time; returns both."""
+        out = sched.schedule()
+        check_step(sched, out)
+        seconds = self.fixed + self.per_token * out.num_tokens
+        sched.budget.record(out.num_tokens, out.budget, seconds)
+        fake_step(sched, out)
+        return out, seconds
+
+    def on_target(self, times: list[float], target: float) -> bool:
+        """Every step within a token's time of the target (budgets are whole tokens)."""
+        return all(abs(t - target) < 1.01 * self.per_token for t in times)
+
+
+def long_prompts_scheduler(target: float | None) -> Scheduler:
+    sched = new_scheduler(num_blocks=4096, block_size=16, max_seqs=4, budget=2048,
+                          target_step_seconds=target)  # fmt: skip
+    for i in range(4):
+        sched.add(make_seq([i] * 8000, max_tokens=1000))
+    return sched
+
+
+def test_timed_steps_take_their_target_and_follow_the_machines_speed():
+    target, cpu = 0.25, SimulatedCPU(fixed=0.02, per_token=0.001)  # 2,048 tokens: 2.1 s
+    sched = long_prompts_scheduler(target)
+    # Nothing measured yet: the whole budget, once; then what the target holds at the rate
+    # of the last full step, over it by at most the fixed part, and soon on it.
+    out, seconds = cpu.step(sched)
+    assert out.num_tokens == 2048
+    times = [cpu.step(sched)[1] for _ in range(6)]
+    assert all(t <= target + cpu.fixed for t in times), times
+    assert cpu.on_target(times[2:], target), times
+
+    # Other processes take the cores: a step of the same size now takes 3x as long. That
+    # one step is over; the next ones are back within the target and its fixed part.
+    cpu.fixed, cpu.per_token = 0.04, 0.003
+    first, *later = [cpu.step(sched)[1] for _ in range(6)]
+    assert first > 2 * target
+    assert all(t <= target + cpu.fixed for t in later), later
+    assert cpu.on_target(later[2:], target), later
+    # They leave: the budget grows back to the target's within a few steps.
+    cpu.fixed, cpu.per_token = 0.02, 0.001
+    times = [cpu.step(sched)[1] for _ in range(6)]
+    assert cpu.on_target(times[3:], target), times
+
+
+def test_a_timed_step_always_carries_every_decode_and_a_little_prompt():
+    """However slow the machine, the streams get their token each step and prompts move."""
+    sched = new_scheduler(num_blocks=4096, block_size=16, max_seqs=40, budget=2048,
+                          target_step_seconds=0.25)  # fmt: skip
+    decoding = [make_seq([i], max_tokens=1000) for i in range(32)]
+    long = make_seq([7] * 4000, max_tokens=1)
+    for seq in [*decoding, long]:
+        sched.add(seq)
+    cpu = SimulatedCPU(fixed=0.5, per_token=0.05)  # a one-token step overruns the target
+    cpu.step(sched)  # the 32 one-token prompts and the long one's first chunk: measured
+    for _ in range(5):
+        out, _ = cpu.step(sched)
+        sizes = {id(c.seq): c.end - c.start for c in out.chunks}
+        assert all(sizes.get(id(seq)) == 1 for seq in decoding), "a decode starved"
+        assert sizes[id(long)] == MIN_PREFILL_TOKENS
+
+
+def test_a_full_step_measures_the_rate_and_a_smaller_one_only_raises_it():
+    budget = StepBudget(max_tokens=2048, target_seconds=0.25)
+    assert budget.tokens([]) == 2048  # nothing measured yet
+    budget.record(num_tokens=500, budget=2048, seconds=1.0)  # less work than allowed: a bound
+    assert budget.tokens([]) == 125
+    budget.record(num_tokens=250, budget=250, seconds=0.125)  # full: 2,000 tokens a second
+    assert budget.tokens([]) == 500
+    budget.record(num_tokens=4, budget=500, seconds=0.2)  # decodes alone: slower, says nothing
+    assert budget.tokens([]) == 500
+    budget.record(num_tokens=400, budget=500, seconds=0.1)  # not full, yet quicker: faster
+    assert budget.tokens([]) == 1000
+    budget.record(num_tokens=1000, budget=1000, seconds=1.0)  # full and slower: slower
+    assert budget.tokens([]) == 250
+    budget.record(num_tokens=0, budget=250, seconds=0.001)  # nothing ran
+    assert budget.tokens([]) == 250
+    assert budget.tokens([1] * 300) == 300 + MIN_PREFILL_TOKENS  # every decode, and a little
+    assert budget.tokens([1] * 3000) == 2048  # never over max_num_batched_tokens
+    untimed = StepBudget(max_tokens=2048, target_seconds=None)
+    untimed.record(num_tokens=2048, budget=2048, seconds=100.0)
+    assert untimed.tokens([]) == 2048
+
+
+def test_steps_are_timed_on_the_cpu_by_default_and_only_with_chunked_prefill():
+    assert EngineConfig(device="cpu").target_step_seconds == CPU_TARGET_STEP_SECONDS
+    assert EngineConfig(device="cuda").target_step_seconds is None  # milliseconds a step
+    unchunked = SchedulerConfig(enable_chunked_prefill=False)
+    assert EngineConfig(device="cpu", scheduler=unchunked).target_step_seconds is None
+    off = SchedulerConfig(target_step_seconds=0)
+    assert EngineConfig(device="cpu", scheduler=off).target_step_seconds is None
+    on = SchedulerConfig(target_step_seconds=0.1)
+    assert EngineConfig(device="cuda", scheduler=on).target_step_seconds == 0.1
+    with pytest.raises(ValidationError, match="needs chunked prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, target_step_seconds=0.5)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match="finite number >= 0"):
+            SchedulerConfig(target_step_seconds=bad)
+
+
 def test_priority_then_fcfs():
     sched = new_scheduler(max_seqs=1)
     low, high1, high2 = make_seq([1, 2], 1, 0), make_seq([3, 4], 1, 5), make_seq([5, 6], 1, 5)
@@ -202,9 +316,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_seqs=st.integers(1, 6),
         budget=st.integers(1, 24),
         chunked=st.booleans(),
+        timed=st.booleans(),
     )
-    def setup(self, num_blocks, block_size, max_seqs, budget, chunked):
-        self.sched = new_scheduler(num_blocks, block_size, max_seqs, budget, chunked)
+    def setup(self, num_blocks, block_size, max_seqs, budget, chunked, timed):
+        target = 0.25 if timed and chunked else None
+        self.sched = new_scheduler(num_blocks, block_size, max_seqs, budget, chunked, target)
         self.capacity = num_blocks * block_size
         self.live: list[Sequence] = []
 
@@ -220,12 +336,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.add(seq)
         self.live.append(seq)
 
-    @rule()
-    def step(self):
+    @rule(seconds=st.floats(1e-4, 10.0))
+    def step(self, seconds):
         out = self.sched.schedule()
         check_step(self.sched, out)
         if self.live and not out.chunks:
             assert not has_work(self.sched)
+        self.sched.budget.record(out.num_tokens, out.budget, seconds)
         for seq in fake_step(self.sched, out):
             self.live.remove(seq)
 

@@ -165,6 +165,7 @@ SAMPLES = {
     "max_num_seqs": 3,
     "max_num_batched_tokens": 99,
     "enable_chunked_prefill": False,
+    "target_step_seconds": 0.5,
     "host": "0.0.0.0",
     "grpc_port": 6000,
     "max_message_bytes": 1000,

@@ -77,6 +77,9 @@ def assert_fresh(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("settings", CONFIGS.values(), ids=CONFIGS.keys())
 def test_warm_up_leaves_a_fresh_engine_that_serves_the_same_tokens(tiny_qwen3, settings):
+    # Untimed steps: a budget cut by the clock (target_step_seconds) would chunk the two
+    # runs apart, and the warm engine's is measured (the test below), the cold one's not.
+    settings = {"target_step_seconds": 0, **settings}
     cold = engine_for(tiny_qwen3, **settings)
     warm = engine_for(tiny_qwen3, **settings)
     report = warm_up(warm)
@@ -149,6 +152,15 @@ def test_warm_up_runs_every_path_traffic_can_take(tiny_qwen3):
         for s in steps
     )  # fmt: skip
     assert_fresh(engine)
+
+
+def test_warm_up_measures_the_step_budget_of_timed_steps(tiny_qwen3):
+    """Traffic's first long prompt is cut to the target step, not run at the whole budget."""
+    engine = engine_for(tiny_qwen3)
+    assert engine.scheduler.budget.target_seconds == engine.config.target_step_seconds > 0
+    assert engine.scheduler.budget.tokens_per_second is None
+    warm_up(engine)
+    assert engine.scheduler.budget.tokens_per_second > 0
 
 
 def test_the_engine_thread_warms_up_before_its_first_stats(tiny_qwen3):

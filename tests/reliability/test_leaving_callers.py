@@ -4,17 +4,23 @@ A storm of client-side aborts hits a real server process, driven only from outsi
 (gRPC, raw HTTP, the metrics endpoint): gRPC unary and streaming calls cancelled by the
 client, past their deadline (0.05-2 s) or with their channel closed; client processes
 killed mid-call; REST unary and SSE connections dropped; the Cancel RPC. Prompts are long
-enough to be chunked, the KV pool small enough to preempt, and few sequences run at once,
-so the doors open while requests wait, prefill, decode or sit preempted, some with n > 1.
+enough to be chunked, and few sequences run at once, so the doors open while requests
+wait, prefill, decode or (with a small KV pool) sit preempted, some with n > 1.
 
 The promise is checked at the moment it is due, not once the engine is idle anyway: one
-second after the last call ended the engine runs nothing, waits for nothing and holds no
-KV block, and over the next two seconds it samples no token. Each request asks for far more
-tokens than it lives to see, so a request that ran on after its caller left shows at once.
-The server's own count of aborts (pagedserve_requests_aborted_total) shows every door and
-stage was hit (prefill surely by the probes that follow the storm). It runs with the
-engine loop on a thread, in its own process, and with two other processes keeping the
-cores busy (the load that widens the races).
+second after the storm's last call ended the engine runs nothing, waits for nothing and
+holds no KV block. Then a few callers each leave while their long prompt's first step
+runs (a storm's random leaving catches a prefill seldom), and one second after the last
+of them left the same holds; over the next two seconds the engine samples no token. Each
+request asks for far more tokens than it lives to see, so a request that ran on after its
+caller left shows at once. The server's own count of aborts
+(pagedserve_requests_aborted_total) shows every door and stage was hit.
+
+It runs with the engine loop on a thread and in its own process, on small steps (8
+tokens); and on the default step budget with prompts of up to 2,400 tokens while three
+other processes keep the two cores busy, where an untimed step of 2,048 prompt tokens
+takes seconds: there a caller who leaves waits for the step running, which only the CPU's
+timed steps (target_step_seconds) keep well under a second.
 
     LEAVING_CALLERS=2000 python -m pytest -q -s tests/reliability/test_leaving_callers.py
 """
@@ -30,6 +36,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -42,15 +51,65 @@ from tests.tiny_models import write_tiny_model
 
 NUM_CALLS = int(os.environ.get("LEAVING_CALLERS", 420))  # at least 400 aborts in CI
 ARRIVAL_SECONDS = NUM_CALLS / 100  # ~100 new calls a second
-MAX_TOKENS = 180  # far more than any call lives to see: a call left running keeps sampling
 KILLED_PROCESSES, CALLS_PER_PROCESS = 3, 12
 PREFILL_PROBES = 3
+
+
+@dataclass(frozen=True)
+class Run:
+    """A server to storm, its prompts, and the load beside it."""
+
+    model: str  # a key of MODELS
+    server_args: tuple[str, ...]
+    long_prompt: tuple[int, int]  # a long prompt's length range (a short one has 4 tokens)
+    max_tokens: int  # prompt and output: far more than any call lives to see
+    engine_process: bool = False
+    busy_cores: int = 0  # processes spinning on the cores meanwhile
+    stages: tuple[str, ...] = ("waiting", "prefill", "decode", "preempted")
+
+
 # Few running slots, so most calls wait; 8-token steps, so long prompts prefill in chunks;
 # a pool of 192 tokens, so four growing sequences cannot all fit and some are preempted.
-SERVER_ARGS = (
+SMALL_STEPS = (
     "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--chunked-prefill",
     "--num-blocks", "48", "--block-size", "4", "--max-queued-requests", "4096",
 )  # fmt: skip
+# The default step budget (2,048 tokens), and a pool that holds four whole requests.
+DEFAULT_STEPS = (
+    "--max-num-seqs", "4", "--num-blocks", "640", "--block-size", "16",
+    "--max-queued-requests", "4096",
+)  # fmt: skip
+# Tiny random models (tests/tiny_models.py): the test's own, and one wide enough that a step
+# of 2,048 prompt tokens takes 4.7-5.2 s on one torch thread beside three busy processes
+# on the two-core VM (the tiny one: 0.14-0.27 s).
+MODELS = {
+    "tiny": dict(max_position_embeddings=1024),
+    "wide": dict(
+        max_position_embeddings=4096, hidden_size=384, intermediate_size=1536,
+        num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=3, head_dim=64,
+    ),
+}  # fmt: skip
+# The servers run torch on one thread: two OpenMP threads that spin at every barrier while
+# the busy processes hold the cores make a step of the tiny model 0.3-0.8 s whatever its
+# tokens (0.03 s on one thread), a cost of its own that no step budget removes.
+SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+RUNS = {
+    "engine-thread": Run("tiny", SMALL_STEPS, (60, 120), 180),
+    "engine-process": Run("tiny", SMALL_STEPS, (60, 120), 180, engine_process=True),
+    # Busy cores slow every step, so sequences grow too little to be surely preempted
+    # before their callers leave (the pool holds them all anyway); they widen the windows
+    # of the races (a caller leaving before its request was admitted: stage inbox, which
+    # the unit tests of tests/test_async_engine.py pin down) and make a step of 2,048
+    # prompt tokens last seconds.
+    "default-budget-busy-cores": Run(
+        "wide",
+        DEFAULT_STEPS,
+        (600, 2000),
+        2400,
+        busy_cores=3,
+        stages=("waiting", "prefill", "decode"),
+    ),
+}
 DOORS = (
     "grpc_unary_cancel",
     "grpc_unary_deadline",
@@ -87,31 +146,40 @@ asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])))
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("leaving-tiny")
-    return write_tiny_model(directory, "llama", max_position_embeddings=1024)
+def model_dirs(tmp_path_factory) -> Callable[[str], Path]:
+    """MODELS, each written once it is asked for."""
+    written: dict[str, Path] = {}
+
+    def write(name: str) -> Path:
+        if name not in written:
+            directory = tmp_path_factory.mktemp(f"leaving-{name}")
+            written[name] = write_tiny_model(directory, "llama", **MODELS[name])
+        return written[name]
+
+    return write
 
 
-def prompt(rng: random.Random) -> list[int]:
+def prompt(rng: random.Random, run: Run) -> list[int]:
     """A short prompt, or a long one that takes several steps to prefill."""
-    return [rng.randrange(3, 300) for _ in range(rng.choice((4, rng.randint(60, 120))))]
+    return [rng.randrange(3, 300) for _ in range(rng.choice((4, rng.randint(*run.long_prompt))))]
 
 
-def grpc_request(rng: random.Random, request_id: str = "") -> pb.GenerateRequest:
-    ids = prompt(rng)
+def grpc_request(rng: random.Random, run: Run, request_id: str = "") -> pb.GenerateRequest:
+    ids = prompt(rng, run)
     return pb.GenerateRequest(
         request_id=request_id,
         token_ids=pb.TokenIds(ids=ids),
         sampling=pb.SamplingOptions(temperature=rng.choice((0.0, 0.8)), n=rng.choice((1, 1, 2, 3))),
-        stopping=pb.StoppingOptions(max_tokens=MAX_TOKENS - len(ids), ignore_eos=True),
+        stopping=pb.StoppingOptions(max_tokens=run.max_tokens - len(ids), ignore_eos=True),
         priority=rng.choice((0, 0, 1)),
     )
 
 
-async def grpc_call(stub, door: str, rng: random.Random, i: int) -> str:
-    """One gRPC call whose client leaves by `door` after a random while."""
+async def grpc_call(stub, door: str, rng: random.Random, run: Run, i: int) -> tuple[str, float]:
+    """One gRPC call whose client leaves by `door` after a random while; its outcome, and
+    when the caller left."""
     leave_after = rng.uniform(0.05, 2.0)
-    request = grpc_request(rng, f"leave-{i}" if door == "cancel_rpc" else "")
+    request = grpc_request(rng, run, f"leave-{i}" if door == "cancel_rpc" else "")
     unary = door.startswith("grpc_unary") or (door == "cancel_rpc" and i % 2)
     timeout = leave_after if door.endswith("deadline") else 120
     call = (stub.Generate if unary else stub.StreamGenerate)(request, timeout=timeout)
@@ -124,32 +192,39 @@ async def grpc_call(stub, door: str, rng: random.Random, i: int) -> str:
             await asyncio.sleep(0.02)
     elif door.endswith("cancel") and not done:
         call.cancel()
+    left = time.monotonic()  # past its deadline too; a Cancel RPC's answer still comes
     try:
         reasons = await reading
     except asyncio.CancelledError:
-        return "aborted"
+        return "aborted", left
     except grpc.aio.AioRpcError as exc:
         assert exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), exc
-        return "aborted"
-    return "aborted" if pb.FINISH_REASON_CANCELLED in reasons else "finished"
+        return "aborted", left
+    return "aborted" if pb.FINISH_REASON_CANCELLED in reasons else "finished", left
 
 
-async def prefill_probe(server: ServerProcess, stub, rng: random.Random, i: int) -> str:
+async def prefill_probe(
+    server: ServerProcess, stub, rng: random.Random, run: Run, i: int
+) -> tuple[asyncio.Future, float]:
     """A call with the longest prompt a sequence holds, on an idle engine, cancelled (Cancel
-    RPC) once the server's metrics show it running: its prompt, 8 tokens a step, is then
-    still prefilling. A storm's random leaving catches a prefill seldom (a few steps of a
-    request's life), so these make sure that stage is hit."""
-    ids = [rng.randrange(3, 300) for _ in range(MAX_TOKENS - 8)]
+    RPC) once the server's metrics show it admitted: the step that prefills its first chunk
+    is then running. Returns its answer's finish reasons (to come) and when its caller left."""
+    ids = [rng.randrange(3, 300) for _ in range(run.max_tokens - 8)]
     request = pb.GenerateRequest(
         request_id=f"prefill-{i}",
         token_ids=pb.TokenIds(ids=ids),
         stopping=pb.StoppingOptions(max_tokens=8, ignore_eos=True),
     )
     reading = asyncio.ensure_future(_finish_reasons(stub.StreamGenerate(request), False))
-    while not reading.done() and not server.metrics()["pagedserve_num_requests_running"]:
+    while not reading.done() and not live_requests(server.metrics()):
         await asyncio.sleep(0.001)
     await stub.Cancel(pb.CancelRequest(request_id=request.request_id))
-    return "aborted" if pb.FINISH_REASON_CANCELLED in await reading else "finished"
+    return reading, time.monotonic()
+
+
+def live_requests(metrics: dict[str, float]) -> float:
+    """Requests the engine holds: admitted, running or waiting."""
+    return metrics["pagedserve_num_requests_running"] + metrics["pagedserve_num_requests_waiting"]
 
 
 async def _finish_reasons(call, unary: bool) -> set[int]:
@@ -159,28 +234,31 @@ async def _finish_reasons(call, unary: bool) -> set[int]:
     return {m.finish_reason async for m in call if m.finish_reason}
 
 
-async def channel_closed_call(target: str, rng: random.Random) -> str:
-    """A call on a channel of its own, which the client closes under it."""
+async def channel_closed_call(target: str, rng: random.Random, run: Run) -> tuple[str, float]:
+    """A call on a channel of its own, which the client closes under it; its outcome, and
+    when the channel closed."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        request = grpc_request(rng)
+        request = grpc_request(rng, run)
         call = stub.StreamGenerate(request) if rng.random() < 0.5 else stub.Generate(request)
         reading = asyncio.ensure_future(_finish_reasons(call, hasattr(call, "__await__")))
         await asyncio.wait([reading], timeout=rng.uniform(0.05, 2.0))
+    left = time.monotonic()
     try:
         await reading
     except (asyncio.CancelledError, grpc.aio.AioRpcError):
-        return "aborted"
-    return "finished"
+        return "aborted", left
+    return "finished", left
 
 
-async def rest_call(port: int, stream: bool, rng: random.Random) -> str:
-    """A REST completion over a raw connection that the client drops after a while."""
-    ids = prompt(rng)
+async def rest_call(port: int, stream: bool, rng: random.Random, run: Run) -> tuple[str, float]:
+    """A REST completion over a raw connection that the client drops after a while; its
+    outcome, and when the connection was dropped."""
+    ids = prompt(rng, run)
     body = json.dumps(
         {
             "prompt": ids,
-            "max_tokens": MAX_TOKENS - len(ids),
+            "max_tokens": run.max_tokens - len(ids),
             "temperature": 0.0,
             "ignore_eos": True,
             "n": rng.choice((1, 2)),
@@ -193,67 +271,107 @@ async def rest_call(port: int, stream: bool, rng: random.Random) -> str:
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     await writer.drain()
-    received = b""
+    received, outcome = b"", "aborted"
     deadline = time.monotonic() + rng.uniform(0.05, 2.0)
     try:
-        while (left := deadline - time.monotonic()) > 0:
-            chunk = await asyncio.wait_for(reader.read(65536), left)
+        while (remaining := deadline - time.monotonic()) > 0:
+            chunk = await asyncio.wait_for(reader.read(65536), remaining)
             if not chunk:
                 break
             received += chunk
             if b"[DONE]" in received or (not stream and b'"usage"' in received):
-                return "finished"
+                outcome = "finished"
+                break
     except asyncio.TimeoutError:
         pass
     finally:
         writer.close()
+        left = time.monotonic()
         await writer.wait_closed()
-    return "aborted"
+    return outcome, left
 
 
-async def killed_client_process(target: str, rng: random.Random) -> list[str]:
-    """A client process with calls in flight, killed (SIGKILL) after a random while."""
-    prompts = [prompt(rng) for _ in range(CALLS_PER_PROCESS)]
+async def killed_client_process(
+    target: str, rng: random.Random, run: Run
+) -> tuple[list[str], float]:
+    """A client process with calls in flight, killed (SIGKILL) after a random while; their
+    outcomes, and when it was killed."""
+    prompts = [prompt(rng, run) for _ in range(CALLS_PER_PROCESS)]
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENT_PROCESS, target, json.dumps(prompts), str(MAX_TOKENS),
+        sys.executable, "-c", CLIENT_PROCESS, target, json.dumps(prompts), str(run.max_tokens),
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert (await asyncio.wait_for(child.stdout.readline(), 60)) == b"started\n"
     await asyncio.sleep(rng.uniform(0.05, 2.0))
     child.send_signal(signal.SIGKILL)
+    left = time.monotonic()
     await child.wait()
-    return ["aborted"] * CALLS_PER_PROCESS
+    return ["aborted"] * CALLS_PER_PROCESS, left
 
 
-async def storm(server: ServerProcess, http_port: int, rng: random.Random) -> collections.Counter:
-    """Every call of the storm, each leaving by its door; returns (door, outcome) counts."""
+async def storm(
+    server: ServerProcess, http_port: int, rng: random.Random, run: Run
+) -> tuple[collections.Counter, float]:
+    """Every call of the storm, each leaving by its door; returns (door, outcome) counts and
+    when the last caller left."""
     async with grpc.aio.insecure_channel(server.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
 
-        async def one(i: int) -> tuple[str, str]:
+        async def one(i: int) -> tuple[list[tuple[str, str]], float]:
             door = DOORS[i % len(DOORS)]
             await asyncio.sleep(rng.uniform(0.0, ARRIVAL_SECONDS))
             if door == "grpc_channel_closed":
-                return door, await channel_closed_call(server.target, rng)
-            if door.startswith("rest"):
-                return door, await rest_call(http_port, door == "rest_sse", rng)
-            return door, await grpc_call(stub, door, rng, i)
+                outcome, left = await channel_closed_call(server.target, rng, run)
+            elif door.startswith("rest"):
+                outcome, left = await rest_call(http_port, door == "rest_sse", rng, run)
+            else:
+                outcome, left = await grpc_call(stub, door, rng, run, i)
+            return [(door, outcome)], left
 
-        async def killed(k: int) -> list[tuple[str, str]]:
+        async def killed(k: int) -> tuple[list[tuple[str, str]], float]:
             await asyncio.sleep(ARRIVAL_SECONDS * (k + 1) / (KILLED_PROCESSES + 1))
-            return [("process_killed", o) for o in await killed_client_process(server.target, rng)]
+            outcomes, left = await killed_client_process(server.target, rng, run)
+            return [("process_killed", o) for o in outcomes], left
 
         results = await asyncio.gather(
             *(one(i) for i in range(NUM_CALLS)), *(killed(k) for k in range(KILLED_PROCESSES))
         )
-        flat = [r for item in results for r in (item if isinstance(item, list) else [item])]
-        while (metrics := server.metrics())["pagedserve_num_requests_waiting"] or metrics[
-            "pagedserve_num_requests_running"
-        ]:
-            await asyncio.sleep(0.01)  # the storm's last aborts land within a step or two
+    outcomes = collections.Counter(pair for pairs, _ in results for pair in pairs)
+    return outcomes, max(left for _, left in results)
+
+
+async def probes(
+    server: ServerProcess, rng: random.Random, run: Run
+) -> tuple[collections.Counter, float, dict[str, float]]:
+    """The prefill probes, one after another on an idle engine; returns their outcomes,
+    when the last one's caller left, and the metrics one second after that."""
+    outcomes: collections.Counter = collections.Counter()
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
         for i in range(PREFILL_PROBES):
-            flat.append(("prefill_probe", await prefill_probe(server, stub, rng, i)))
-    return collections.Counter(flat)
+            while live_requests(server.metrics()):
+                await asyncio.sleep(0.01)
+            reading, left = await prefill_probe(server, stub, rng, run, i)
+            if i == PREFILL_PROBES - 1:  # due then, whether its answer came or not
+                one_second_later = asyncio.ensure_future(metrics_at(server, left + 1.0))
+            cancelled = pb.FINISH_REASON_CANCELLED in await reading
+            outcomes["prefill_probe", "aborted" if cancelled else "finished"] += 1
+    return outcomes, left, await one_second_later
+
+
+async def metrics_at(server: ServerProcess, moment: float) -> dict[str, float]:
+    """A scrape at `moment` (time.monotonic())."""
+    await asyncio.sleep(max(0.0, moment - time.monotonic()))
+    return server.metrics()
+
+
+def assert_nothing_left(metrics: dict[str, float], when: str) -> None:
+    for name in (
+        "pagedserve_num_requests_running",
+        "pagedserve_num_requests_waiting",
+        "pagedserve_kv_cache_blocks_used",
+    ):
+        assert metrics[name] == 0, (when, name, metrics[name])
 
 
 def aborted_by(metrics: dict[str, float], label: str) -> collections.Counter:
@@ -270,70 +388,60 @@ STAGES = ("waiting", "prefill", "decode", "preempted")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "engine_process,busy_cores,stages",
-    [
-        (False, 0, STAGES),
-        (True, 0, STAGES),
-        # Busy cores slow every step, so sequences grow too little to be surely preempted
-        # before their callers leave; they widen the windows of the races (a caller leaving
-        # before its request was admitted: stage inbox, which the unit tests of
-        # tests/test_async_engine.py pin down), which is what this run is for.
-        (False, 2, ("waiting", "prefill", "decode")),
-    ],
-    ids=["engine-thread", "engine-process", "engine-thread-busy-cores"],
-)
-async def test_callers_who_leave_stop_their_work_at_once(
-    tiny_model, engine_process, busy_cores, stages
-):
+@pytest.mark.parametrize("run", RUNS.values(), ids=RUNS.keys())
+async def test_callers_who_leave_stop_their_work_at_once(model_dirs, run):
     http_port = free_port()
-    flag = "--engine-process" if engine_process else "--no-engine-process"
-    server = start_server_process(tiny_model, *SERVER_ARGS, flag, "--http-port", str(http_port))
+    flag = "--engine-process" if run.engine_process else "--no-engine-process"
+    args = (*run.server_args, flag, "--http-port", str(http_port))
+    server = start_server_process(model_dirs(run.model), *args, env=SERVER_ENV)
     spinners = []
     try:
         server.wait_ready(timeout=120)
         spinners = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_cores)
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(run.busy_cores)
         ]
-        rng = random.Random(1234 + busy_cores + engine_process)
+        rng = random.Random(1234 + run.busy_cores + run.engine_process)
         started = time.monotonic()
         try:
-            outcomes = await storm(server, http_port, rng)
+            outcomes, last_left = await storm(server, http_port, rng, run)
+            # A call ends once its caller left, but a Cancel RPC's answer comes when the
+            # engine has the request out: past the moment due, it came too late.
+            storm_ended = time.monotonic()
+            after_the_storm = await metrics_at(server, last_left + 1.0)
+            probed, last_probe_left, after_the_probes = await probes(server, rng, run)
         except BaseException:
             print(server.stderr()[-5000:])
             raise
-        last_call_ended = time.monotonic()
+        outcomes += probed
+        after_three_seconds = await metrics_at(server, last_probe_left + 3.0)
         for spinner in spinners:
             spinner.kill()
 
-        await asyncio.sleep(1.0)
-        after_one_second = server.metrics()
-        await asyncio.sleep(2.0)
-        after_three_seconds = server.metrics()
-
-        print(f"\n{sum(outcomes.values())} calls in {last_call_ended - started:.1f} s")
+        print(f"\n{sum(outcomes.values())} calls in {storm_ended - started:.1f} s")
+        print(
+            f"  the storm's calls ended {storm_ended - last_left:.2f} s after its last caller left"
+        )
         for (door, outcome), count in sorted(outcomes.items()):
             print(f"  {door:20} {outcome:9} {count}")
         print("  aborted by door:", dict(aborted_by(after_three_seconds, "door")))
         print("  aborted by stage:", dict(aborted_by(after_three_seconds, "stage")))
         print("  preemptions:", after_three_seconds["pagedserve_preemptions_total"])
+        print("  steps:", after_three_seconds.get("pagedserve_engine_steps_total"))
 
         aborted = sum(n for (_, outcome), n in outcomes.items() if outcome == "aborted")
         assert aborted >= 400, outcomes
-        for name in (
-            "pagedserve_num_requests_running",
-            "pagedserve_num_requests_waiting",
-            "pagedserve_kv_cache_blocks_used",
-        ):
-            assert after_one_second[name] == 0, (name, after_one_second[name])
+        assert storm_ended - last_left < 1.0, "a call's answer came over 1 s after it left"
+        assert_nothing_left(after_the_storm, "1 s after the storm's last caller left")
+        assert_nothing_left(after_the_probes, "1 s after the last prefill probe left")
         tokens = "pagedserve_generation_tokens_total"
-        assert after_three_seconds[tokens] == after_one_second[tokens]
+        assert after_three_seconds[tokens] == after_the_probes[tokens]
 
         by_door = aborted_by(after_three_seconds, "door")
         for door in ("grpc_unary", "grpc_stream", "rest_unary", "rest_stream", "cancel_rpc"):
             assert by_door[door] >= 10, by_door
         by_stage = aborted_by(after_three_seconds, "stage")
-        for stage in stages:
+        for stage in run.stages:
             assert by_stage[stage] >= 1, by_stage
         assert server.health() == health_pb2.HealthCheckResponse.SERVING  # nothing else went down
     finally:
