@@ -292,8 +292,6 @@ class _Sampling(_Body, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    # Text, texts, token ids or token-id lists: one kind (prompts() checks), each entry
-    # typed as it is parsed, so a wrong one ends the parse at once.
     # Text, texts, token ids or token-id lists: told apart by the first entry and decoded
     # as that kind (prompts()), so a wrong entry ends the decode at once.
     prompt: Raw

@@ -149,7 +149,7 @@ def grpc_cases() -> list[Case]:
             if name == "token_ids":
                 request, refused = (
                     generate_request(token_ids=[value] * 4),
-                    refused and "prompt_token_ids",
+                    refused and "token_ids.ids",
                 )
             elif name == "stop_token_ids":
                 request = generate_request(stop_token_ids=[value])
@@ -162,19 +162,19 @@ def grpc_cases() -> list[Case]:
         ("stop x MANY", generate_request(stop=["a"] * MANY), "stop"),
         ("stop of 200,000 chars", generate_request(stop=[text]), "stop"),
         ("stop_token_ids x MANY", generate_request(stop_token_ids=[1] * MANY), "stop_token_ids"),
-        ("token_ids x MANY", generate_request(token_ids=[1] * MANY), "prompt"),
-        ("token_ids x context", generate_request(token_ids=[1] * CONTEXT), "prompt"),
-        ("chat x MANY", pb.GenerateRequest(chat=chat(MANY, role="")), "messages"),
-        ("chat x limit+1", pb.GenerateRequest(chat=chat(MAX_CHAT_MESSAGES + 1)), "messages"),
-        ("text of 200,000 chars", pb.GenerateRequest(text=text), "prompt"),
+        ("token_ids x MANY", generate_request(token_ids=[1] * MANY), "token_ids.ids"),
+        ("token_ids x context", generate_request(token_ids=[1] * CONTEXT), "token_ids.ids"),
+        ("chat x MANY", pb.GenerateRequest(chat=chat(MANY, role="")), "chat.messages"),
+        ("chat x limit+1", pb.GenerateRequest(chat=chat(MAX_CHAT_MESSAGES + 1)), "chat.messages"),
+        ("text of 200,000 chars", pb.GenerateRequest(text=text), "text"),
     ):
         door = "StreamGenerate" if "streamed" in label else "Generate"
         cases.append(Case(label, door, request, refused))
     for label, request, refused in (
         ("text of 200,000 chars", pb.TokenizeRequest(text=text), "text"),
         ("text within the context", pb.TokenizeRequest(text="hello " * 8), None),
-        ("chat x MANY", pb.TokenizeRequest(chat=chat(MANY, role="")), "messages"),
-        ("chat of 200,000 chars", pb.TokenizeRequest(chat=chat(1, text)), "messages"),
+        ("chat x MANY", pb.TokenizeRequest(chat=chat(MANY, role="")), "chat.messages"),
+        ("chat of 200,000 chars", pb.TokenizeRequest(chat=chat(1, text)), "chat.messages"),
     ):
         cases.append(Case(f"Tokenize {label}", "Tokenize", request, refused))
     return cases
@@ -436,7 +436,8 @@ async def test_extremes_against_a_server_process_with_its_own_engine_process(tin
 @pytest.mark.parametrize(
     "kind,body,field",
     [
-        (CompletionRequest, {"prompt": [[1]] * 100_000 + [["x"]]}, "prompt.100000.0"),
+        (CompletionRequest, {"prompt": [[1]] * 1000 + [["x"]]}, "prompt.1000.0"),
+        (CompletionRequest, {"prompt": [[1]] * 100_000 + [["x"]]}, "prompt"),  # too many
         (CompletionRequest, {"prompt": [[1] + ["x"] * 1_000_000]}, "prompt.0.1"),
         (CompletionRequest, {"prompt": [["x"] * 1000] * 4000}, "prompt.0.0"),
         (
@@ -449,6 +450,7 @@ async def test_extremes_against_a_server_process_with_its_own_engine_process(tin
     ],
     ids=[
         "prompt lists",
+        "prompt lists past the limit",
         "prompt bad ids",
         "prompt lists of texts",
         "stop_token_ids",
@@ -461,11 +463,13 @@ def test_a_long_list_is_refused_at_its_first_wrong_entry(kind, body, field):
     # entry under each type a field may have: 12 MiB of [[1], [1], ...] made 1.9 GB of
     # them. The body is refused with one error, naming the first wrong entry.
     with pytest.raises(ValidationError) as err:
-        decode(json.dumps(body).encode(), kind)
+        request = decode(json.dumps(body).encode(), kind)
+        if kind is CompletionRequest:
+            request.prompts()  # the prompt's kind is told by its first entry, then decoded
     assert err.value.field == field, err.value
 
 
 def test_a_long_list_of_token_ids_is_decoded_once():
     ids = [1] * 1_000_000
-    assert decode(json.dumps({"prompt": ids}).encode(), CompletionRequest).prompt == ids
+    assert decode(json.dumps({"prompt": ids}).encode(), CompletionRequest).prompts() == [ids]
     assert decode(json.dumps({"tokens": ids}).encode(), DetokenizeRequest).tokens == ids

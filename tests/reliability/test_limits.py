@@ -257,8 +257,14 @@ async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
             400,
             "body",
         ),
+        # bytes that are not UTF-8: refused by the field that holds them
         (
             await http.post("/v1/completions", content=b'{"prompt": "\xff"}', headers=as_json),
+            400,
+            "prompt",
+        ),
+        (
+            await http.post("/v1/completions", content=b'{"prompt": "x", "user": "\xff"}', headers=as_json),
             400,
             "body",
         ),
