@@ -264,7 +264,9 @@ async def test_what_the_fuzzer_found_is_refused_in_the_envelope(doors):
             "prompt",
         ),
         (
-            await http.post("/v1/completions", content=b'{"prompt": "x", "user": "\xff"}', headers=as_json),
+            await http.post(
+                "/v1/completions", content=b'{"prompt": "x", "user": "\xff"}', headers=as_json
+            ),
             400,
             "body",
         ),
