@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
 
-    from service.server import serve
+    from service.serve import serve
 
     # Both configs are validated here, before serve() starts loading the model.
     engine_config, server_config = settings.engine_config(), settings.server_config()

@@ -1,9 +1,9 @@
 """The rules every front door (gRPC, REST) applies around a generation, in one place so
 the doors agree: whether a warm engine takes work (loading and draining refuse it), whether
-a request names the model served here, whether a caller holds the API key, how a prompt
-is encoded (engine/prompts.py, held to the engine's vocabulary and context), what a
-request id may be, which format the model writes tool calls in, which calls are in flight
-for a drain to wait on, and what log_requests writes."""
+a request names the model served here, whether a caller holds the API key, how a call is
+converted (service/convert.py) and queued, what a request id may be, which format the
+model writes tool calls in, which calls are in flight for a drain to wait on, and what
+log_requests writes."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineError, ValidationError
+from engine.errors import ValidationError
 from engine.prompts import PromptEncoder
-from engine.tool_calls import detect_parser
+from engine.request_stream import RequestStream
+from engine.tool_use import detect_format
+from service.convert import EngineInputs, engine_inputs, named_as_sent
+from service.errors import ServiceUnavailable, UnknownModel
 from service.metrics import ServerMetrics
+from service.request import GenerationRequest
 
 # Prompts and outputs, at INFO, only with log_requests; nothing else logs request content.
 request_log = logging.getLogger("service.requests")
@@ -31,14 +35,6 @@ MAX_REQUEST_ID_CHARS = 128
 
 # The most of a caller's string an error message quotes.
 MAX_QUOTED_CHARS = 64
-
-
-class ServiceUnavailable(EngineError):
-    """No warm engine to take new work: still loading, or draining. Retry elsewhere."""
-
-
-class UnknownModel(EngineError):
-    """The request names a model this server does not serve."""
 
 
 def authorized(values: Sequence[str], api_key: str | None) -> bool:
@@ -91,14 +87,20 @@ class FrontDoor:
     draining) no door takes work, so a client retries elsewhere instead of waiting on a
     cold pod."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        log_requests: bool = False,
+        tool_parser: str = "auto",
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         self.engine: AsyncEngine | None = None
         self.model_name = ""
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None)
         self.draining = False
         self.fault: str | None = None  # the watchdog's: why the engine is stuck or dead
-        self.log_requests = False  # ServerConfig.log_requests
-        self.tool_parser_setting = "auto"  # ServerConfig.tool_parser
+        self.log_requests = log_requests  # ServerConfig.log_requests
+        self.tool_parser_setting = tool_parser  # ServerConfig.tool_parser
+        self.max_message_bytes = max_message_bytes  # the largest request or answer
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -130,7 +132,44 @@ class FrontDoor:
         """The format the served model writes tool calls in."""
         if self.tool_parser_setting != "auto":
             return self.tool_parser_setting
-        return detect_parser(engine.tokenizer.chat_template)
+        return detect_format(engine.tokenizer.chat_template)
+
+    def convert(self, engine: AsyncEngine, request: GenerationRequest) -> EngineInputs:
+        """The engine's inputs for a call to the model served here (service/convert.py)."""
+        self.check_model(request.model)
+        return engine_inputs(request, self.prompts(engine), self.tool_parser(engine))
+
+    async def submit(
+        self,
+        engine: AsyncEngine,
+        request: GenerationRequest,
+        inputs: EngineInputs,
+        call_id: str,
+        request_ids: list[str],
+        door: str,
+    ) -> list[RequestStream]:
+        """One engine request per prompt, under request_ids, all queued at once; if one is
+        refused, or the caller leaves while they queue, every one of them is cancelled.
+        call_id: the call's id in the request log; door: where the call came in, for the
+        engine's stats."""
+        submits = [
+            asyncio.ensure_future(
+                engine.submit(request_id, prompt, inputs.params, request.priority, door)
+            )
+            for request_id, prompt in zip(request_ids, inputs.prompts, strict=True)
+        ]
+        try:
+            with named_as_sent(request.field_names):
+                streams = await asyncio.gather(*submits)
+        except BaseException:
+            for submit in submits:
+                submit.cancel()  # one still waiting for admission takes its request back
+            for outcome in await asyncio.gather(*submits, return_exceptions=True):
+                if isinstance(outcome, RequestStream):
+                    outcome.cancel()
+            raise
+        self.log_prompts(call_id, inputs.prompts)
+        return streams
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight; False if the timeout came first."""

@@ -20,8 +20,8 @@ from typing import Any, get_args, get_type_hints
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_flat
 from engine.errors import ValidationError
-from engine.tool_calls import TOOL_PARSERS
-from service.server import ServerConfig
+from engine.tool_use import TOOL_FORMATS
+from service.config import ServerConfig
 from service.tracing import TRACE_EXPORTERS
 
 if sys.version_info >= (3, 11):
@@ -283,7 +283,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tool_parser",
         "the format the model writes tool calls in; auto: read off its chat template "
         "(llama3_json where it speaks of <|python_tag|>, else hermes)",
-        choices=("auto", *TOOL_PARSERS),
+        choices=("auto", *TOOL_FORMATS),
     ),
     # Logging configures the process itself, so it has no config dataclass.
     Setting(

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.server import SERVICE_NAME
+from service.grpc.handlers import SERVICE_NAME
 
 
 def free_port() -> int:

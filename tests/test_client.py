@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.cli import main
-from service.server import SERVICE_NAME
+from service.grpc.handlers import SERVICE_NAME
 from tests.server_process import running_server
 from tests.tiny_models import write_tiny_model
 

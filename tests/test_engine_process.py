@@ -19,7 +19,8 @@ from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import ServerConfig, load_engine, start_server
+from service.config import ServerConfig
+from service.serve import load_engine, start_server
 from tests.test_grpc_server import kv_back_to_zero
 from tests.tiny_models import write_tiny_model
 

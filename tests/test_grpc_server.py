@@ -19,7 +19,9 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import SERVICE_NAME, Server, ServerConfig, start_server
+from service.config import ServerConfig
+from service.grpc.handlers import SERVICE_NAME
+from service.serve import Server, start_server
 from tests.tiny_models import write_tiny_model
 
 
@@ -536,7 +538,7 @@ async def test_generate_is_traced_under_the_callers_trace(tiny_model):
     trace_id, caller_span = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
     exporter = InMemorySpanExporter()
     async with serving(tiny_model) as (srv, _, _):  # stopping the server flushes the spans
-        srv.service.tracer = RequestTracer(exporter)
+        srv.grpc.service.tracer = RequestTracer(exporter)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
             metadata = (("traceparent", f"00-{trace_id:032x}-{caller_span:016x}-01"),)
             stub = inference_pb2_grpc.InferenceStub(channel)

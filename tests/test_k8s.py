@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.server import SERVICE_NAME
+from service.grpc.handlers import SERVICE_NAME
 from service.settings import read_config_file, resolve_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.client import AsyncInferenceClient
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import ServerConfig
+from service.config import ServerConfig
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
 
@@ -211,7 +211,7 @@ async def test_queue_full_is_429_with_retry_after(tiny_model):
             with pytest.raises(openai.RateLimitError) as err:
                 await client.completions.create(model="tiny", prompt="x")
             assert err.value.response.headers["retry-after"] == "1"
-            srv.service.draining = True
+            srv.door.draining = True
             with pytest.raises(openai.InternalServerError) as err:
                 await client.completions.create(model="tiny", prompt="x")
             assert err.value.status_code == 503
@@ -293,7 +293,7 @@ async def test_api_key_on_rest_and_grpc(rest):
             async for _ in stub.StreamGenerate(pb.GenerateRequest(text="x")):
                 pass
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        registry = srv.service.metrics.registry  # refusals are counted like other outcomes
+        registry = srv.door.metrics.registry  # refusals are counted like other outcomes
         for rpc in ("GetModelInfo", "StreamGenerate", "/v1/completions"):
             labels = {"rpc": rpc, "code": "UNAUTHENTICATED"}
             assert registry.get_sample_value("pagedserve_requests_total", labels) == 1
@@ -331,6 +331,6 @@ async def test_models_health_tokenize_metrics(rest):
         assert 'pagedserve_requests_total{code="OK",rpc="/v1/completions"}' in metrics
         assert "pagedserve_kv_cache_blocks_total" in metrics
         assert (await http.get("/health")).status_code == 200
-        srv.service.draining = True  # health follows the service, not just the process
+        srv.door.draining = True  # health follows the service, not just the process
         assert (await http.get("/health")).status_code == 503
-        srv.service.draining = False
+        srv.door.draining = False

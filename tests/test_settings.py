@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from service.cli import build_parser, main
-from service.server import ServerConfig
+from service.config import ServerConfig
 from service.settings import (
     CONFIG_ENV,
     SETTINGS,
@@ -43,7 +43,7 @@ def never_serve(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("serve() was called: the config was accepted")
 
-    monkeypatch.setattr("service.server.serve", fail)
+    monkeypatch.setattr("service.serve.serve", fail)
 
 
 def resolve(argv: list[str], env: dict[str, str] | None = None) -> Settings:

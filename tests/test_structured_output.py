@@ -26,7 +26,7 @@ from engine.runner import MAX_GRAPH_ROWS_PER_SEQ, ModelRunner
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import ServerConfig
+from service.config import ServerConfig
 from tests.json_schemas import FIXED_KEYS_SCHEMA, slow_schema
 from tests.server_process import free_port, scrape_metrics, start_server_process
 from tests.test_grpc_server import kv_back_to_zero, serving

@@ -7,12 +7,12 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.tool_calls import (
+from engine.tool_use import detect_format
+from service.tool_calls import (
     HermesParser,
     Llama3JsonParser,
     NamedCallParser,
     assemble,
-    detect_parser,
     forced_calls_parser,
 )
 
@@ -95,7 +95,7 @@ def test_a_named_call_is_the_whole_answer_even_an_empty_one() -> None:
 
 def test_the_parser_is_picked_from_what_the_template_speaks_of() -> None:
     assert (
-        detect_parser("{{ '<|python_tag|>' }}{% if message.role == 'ipython' %}") == "llama3_json"
+        detect_format("{{ '<|python_tag|>' }}{% if message.role == 'ipython' %}") == "llama3_json"
     )
-    assert detect_parser("{{ '<tool_call>' }}") == "hermes"
-    assert detect_parser(None) == "hermes"
+    assert detect_format("{{ '<tool_call>' }}") == "hermes"
+    assert detect_format(None) == "hermes"

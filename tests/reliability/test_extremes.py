@@ -29,14 +29,15 @@ from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.openai_schema import (
-    MAX_PROMPTS,
+from service.config import ServerConfig
+from service.convert import MAX_PROMPTS
+from service.grpc.handlers import SERVICE_NAME
+from service.rest.bodies import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     decode,
 )
-from service.server import SERVICE_NAME, ServerConfig
 from tests.server_process import free_port, start_server_process
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import TOKENIZER_VOCAB_SIZE, write_tiny_model

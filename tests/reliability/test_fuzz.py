@@ -37,8 +37,9 @@ from hypothesis import strategies as st
 from engine.prompts import MAX_CHAT_MESSAGES
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.openai_schema import MAX_PROMPTS
-from service.server import SERVICE_NAME, ServerConfig
+from service.config import ServerConfig
+from service.convert import MAX_PROMPTS
+from service.grpc.handlers import SERVICE_NAME
 from tests.test_grpc_server import greedy, kv_back_to_zero, serving
 from tests.tiny_models import SPECIAL_TOKENS, write_tiny_model
 
@@ -432,7 +433,7 @@ def raw_requests(draw, method: str = "Generate") -> tuple[bytes, str | None]:
 
 def rpc_counts(doors: Doors, rpc: str) -> collections.Counter[str]:
     """pagedserve_requests_total of one RPC, by status code."""
-    (family,) = doors.srv.service.metrics.requests.collect()
+    (family,) = doors.srv.door.metrics.requests.collect()
     samples = [s for s in family.samples if s.name.endswith("_total") and s.labels["rpc"] == rpc]
     return collections.Counter({s.labels["code"]: s.value for s in samples})
 

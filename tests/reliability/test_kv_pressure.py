@@ -16,7 +16,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import ServerConfig
+from service.config import ServerConfig
 from tests.reliability.test_abort_storm import consume, phase
 from tests.server_process import scrape_metrics
 from tests.test_grpc_server import greedy, kv_back_to_zero, serving

@@ -23,7 +23,7 @@ from engine.sampling_params import (
 )
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import ServerConfig
+from service.config import ServerConfig
 from tests.test_grpc_server import kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
 

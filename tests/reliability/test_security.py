@@ -24,7 +24,8 @@ from clients.client import AsyncInferenceClient
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.cli import main
-from service.server import SERVICE_NAME, ServerConfig
+from service.config import ServerConfig
+from service.grpc.handlers import SERVICE_NAME
 from service.settings import SETTINGS, ConfigError, resolve_settings
 from tests.test_grpc_server import greedy, kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model
@@ -464,7 +465,7 @@ async def test_more_than_one_authorization_value_is_refused_by_both_doors(tiny_m
                 assert answer.json()["error"]["message"] == message
             answer = await http.post(url, json=body, headers={"Authorization": right})
             assert answer.status_code == 200
-        registry = srv.service.metrics.registry
+        registry = srv.door.metrics.registry
         for rpc, refused_calls in (("Generate", 3), ("StreamGenerate", 3), ("/v1/completions", 3)):
             labels = {"rpc": rpc, "code": "UNAUTHENTICATED"}
             assert registry.get_sample_value("pagedserve_requests_total", labels) == refused_calls

@@ -21,7 +21,7 @@ import pytest
 from engine.request_stream import RequestStream
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import ServerConfig
+from service.config import ServerConfig
 from tests.reliability.test_abort_storm import consume
 from tests.test_grpc_server import greedy, kv_back_to_zero, serving
 from tests.tiny_models import write_tiny_model

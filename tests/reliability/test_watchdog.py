@@ -25,7 +25,9 @@ from engine.config import engine_config_from_flat
 from engine.engine_process import EngineProcess
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from service.server import SERVICE_NAME, WATCHDOG_SECONDS, ServerConfig, start_server
+from service.config import ServerConfig
+from service.grpc.handlers import SERVICE_NAME
+from service.serve import WATCHDOG_SECONDS, start_server
 from tests.server_process import ServerProcess, free_port, running_server
 from tests.test_grpc_server import greedy, serving
 from tests.tiny_models import write_tiny_model

@@ -1,5 +1,5 @@
-"""The OpenAI API's request bodies, as msgspec Structs decoded from a body's bytes, and their
-mapping to SamplingParams.
+"""The REST door's requests: the OpenAI API's bodies, as msgspec Structs decoded from a
+body's bytes, each parsed into a GenerationRequest (service/request.py).
 
 Decoding checks each value's type as it parses: the first wrong one ends it with one error
 naming its field, before the rest of the body is read. Fields this server does not know
@@ -7,7 +7,8 @@ are skipped unbuilt, and free-form JSON (a response schema, a tool's parameters,
 logit_bias) stays the raw text it came as: a schema goes to the grammar compiler as that
 text, and an array holds at most as many entries as its field takes (at_most): so no
 body of any shape costs more than a pass over its bytes. The values' ranges are
-SamplingParams.validate's, the same check gRPC requests pass through. Fields we cannot
+SamplingParams.validate's, the same check gRPC requests pass through (service/convert.py
+converts both). Fields we cannot
 honour (logit_bias, suffix, ...) are refused rather than silently dropped.
 
 Bodies are JSON as RFC 8259 has it: NaN and Infinity, and text with a lone UTF-16
@@ -19,7 +20,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Raw
@@ -27,12 +28,11 @@ from msgspec import Meta, Raw
 from engine.constraints import MAX_CHOICES, MAX_SPEC_CHARS, Constraint
 from engine.errors import ValidationError
 from engine.prompts import MAX_CHAT_MESSAGES
-from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-from engine.tool_calls import FUNCTION_NAME, MAX_TOOLS, ToolUse
+from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from engine.tool_use import FUNCTION_NAME, MAX_TOOLS
+from service.convert import MAX_PROMPTS, SAMPLING_FIELDS, prompt_named
+from service.request import GenerationRequest, Prompt
 
-# Prompts in one completions request (each is an engine request; past the queue's room they
-# get 429), bounded before any is encoded.
-MAX_PROMPTS = 1024
 MAX_PARTS = 4096  # text parts of one message's content
 
 Body = TypeVar("Body", bound="_Body")
@@ -226,45 +226,39 @@ class _Sampling(_Body, kw_only=True):
     stop_token_ids: at_most(int, MAX_STOP_TOKEN_IDS) | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
     priority: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-
-    COPIED: ClassVar[tuple[str, ...]] = (
-        "n",
-        "temperature",
-        "top_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "stop_token_ids",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-    )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _request(self, prompts: list[Prompt], field_names: dict[str, str]) -> GenerationRequest:
+        """The door-neutral request: the fields SAMPLING_FIELDS names, as this body set
+        them, the constraint, priority and model; tools are chat's."""
         if _present(self.logit_bias) and bytes(self.logit_bias).strip() != b"{}":
             raise ValidationError("logit_bias", "is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options", "is only allowed with stream: true")
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs)
-        for name in self.COPIED:
-            value = getattr(self, name)
+        sampling = {}
+        for name, wire in SAMPLING_FIELDS.items():
+            value = getattr(self, wire.rest, None)
+            if isinstance(value, _Array):
+                value = list(value)
+            elif isinstance(value, str) and name == "stop":
+                value = [value]
             if value is not None:
-                setattr(params, name, list(value) if isinstance(value, _Array) else value)
-        if self.stop is not None:
-            params.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        params.constraint = self._constraint()
-        return params
+                sampling[name] = value
+        return GenerationRequest(
+            prompts,
+            sampling,
+            constraint=self._constraint(),
+            priority=self.priority,
+            model=self.model or "",
+            field_names=field_names,
+        )
 
     def _constraint(self) -> Constraint | None:
         """response_format or structured_outputs as a Constraint naming its field."""
@@ -312,15 +306,18 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise ValidationError("prompt", "must not be empty")
         return [prompt] if kind is _TOKEN_IDS else list(prompt)
 
-    def sampling_params(self) -> SamplingParams:
+    def generation_request(self) -> GenerationRequest:
         if self.suffix:
             raise ValidationError("suffix", "is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValidationError("best_of", "only best_of == n is supported")
-        params = self._params(self.max_tokens, self.logprobs)
+        request = self._request([], prompt_named("prompt"))
         if self.echo and self.logprobs is not None:
-            params.prompt_logprobs = self.logprobs
-        return params
+            request.sampling["prompt_logprobs"] = self.logprobs
+        request.prompts = [
+            Prompt(token_ids=p) if isinstance(p, list) else Prompt(text=p) for p in self.prompts()
+        ]
+        return request
 
 
 _TOKEN_IDS = list[int]  # a prompt's ids: bounded by the body's size, checked by the engine
@@ -425,41 +422,28 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def tool_use(self, parser: str) -> ToolUse | None:
-        """The request's tools and tool_choice; None when it offers none. parser: the
-        format the served model writes calls in."""
-        if not self.tools:
-            if self.tool_choice not in (None, "none", "auto"):
-                raise ValidationError("tool_choice", "needs tools")
-            return None
-        tools = tuple(tool.as_dict(i) for i, tool in enumerate(self.tools))
-        choice = self.tool_choice or "auto"
-        if isinstance(choice, NamedToolChoice):
-            return ToolUse(tools, "function", choice.function.name, self.parallel, parser)
-        return ToolUse(tools, choice, None, self.parallel, parser)
-
-    @property
-    def parallel(self) -> bool:
-        return self.parallel_tool_calls is not False
-
-    def param_names(self) -> dict[str, str]:
-        """The engine's names for fields (SamplingParams', admission's) -> the ones this
-        request used, for error messages."""
-        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-        return {"logprobs": "top_logprobs", "max_tokens": max_tokens, "prompt": "messages"}
-
-    def sampling_params(self, tools: ToolUse | None = None) -> SamplingParams:
-        """tools: tool_use()'s; a forced call is a constraint on the answer."""
+    def generation_request(self) -> GenerationRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValidationError("top_logprobs", "needs logprobs: true")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens
-        params = self._params(max_tokens, logprobs)
-        if tools is not None:
-            tools.constrain(params)
-        return params
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        names = prompt_named("messages") | {"logprobs": "top_logprobs", "max_tokens": max_tokens}
+        prompt = Prompt(messages=self.messages, as_dict=ChatMessage.as_dict)
+        request = self._request([prompt], names)
+        # Chat says logprobs as a switch and top_logprobs as their number; unset max_tokens
+        # is up to the context limit.
+        request.sampling.pop("logprobs", None)
+        if self.logprobs:
+            request.sampling["logprobs"] = self.top_logprobs or 0
+        request.sampling["max_tokens"] = getattr(self, max_tokens)
+        if self.tools:
+            request.tools = tuple(tool.as_dict(i) for i, tool in enumerate(self.tools))
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            request.tool_choice, request.tool_function = "function", choice.function.name
+        else:
+            request.tool_choice = choice
+        request.parallel_tool_calls = self.parallel_tool_calls is not False
+        return request
 
 
 class TokenizeRequest(_Body, kw_only=True):
