@@ -12,7 +12,8 @@ The ticker is load too (1,000 wakeups a second); `--tick-ms 0` measures without 
 - thread: AsyncEngine(EngineThread(...)): the engine loop and the event loop share one
   interpreter, so they take turns holding the GIL. The LLMEngine is built on a
   short-lived thread, so the engine thread owns the process's only OpenMP pool: a pool
-  left on a live thread (the loop's, an executor's) slows every step (RESULTS.md).
+  left on a live thread (the loop's, an executor's) slows every step (benchmarks/RESULTS.md
+  as of 9361dce, "Serving over gRPC vs the offline engine on the CPU").
 - process: AsyncEngine(EngineProcess(...)) (engine/engine_process.py): the loop in a
   spawned child; requests go in and each drain's or step's LoopOutput comes back over
   multiprocessing queues.

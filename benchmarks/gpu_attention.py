@@ -2,10 +2,10 @@
 
     python benchmarks/gpu_attention.py [--workload-only] [--variants NAME ...] [--json-out FILE]
 
-Decode attention is most of a steady decode step's GPU time (benchmarks/RESULTS.md), so
-this times the choices the engine could make for it, in a CUDA graph as the engine runs
-it. Shapes are Qwen3-0.6B's (16 q / 8 kv heads of 128, bf16): equal-length batch x
-context pairs, and the uneven lengths of the offline workload's own decode steps
+Decode attention is most of a steady decode step's GPU time (benchmarks/RESULTS.md's git
+history), so this times the choices the engine could make for it, in a CUDA graph as the
+engine runs it. Shapes are Qwen3-0.6B's (16 q / 8 kv heads of 128, bf16): equal-length
+batch x context pairs, and the uneven lengths of the offline workload's own decode steps
 (WORKLOAD_STEPS); the figure is the KV bytes read per second, against the roofline's copy
 bandwidth. Variants: the CUDA-core kernel and the tensor-core one (flashinfer's prefill
 kernels), which engine/attention/flashinfer_backend.py picks between by batch size, on the
@@ -18,7 +18,7 @@ workload's steps also with the batch ordered longest context first (--workload-o
 workload's steps as they come). TensorRT-LLM's XQA kernel
 (flashinfer.decode.xqa_batch_decode_with_kv_cache) is still in decode_call, out of
 VARIANTS. Earlier runs found no gain in the HND layout, in 32-token pages or in the FA3
-backend of the tensor-core path (1.5-1.9 TB/s; benchmarks/RESULTS.md's log).
+backend of the tensor-core path (1.5-1.9 TB/s; benchmarks/RESULTS.md's git history).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def workload_contexts(step: int) -> list[int]:
 
 # (name, page size): the first variant's output is the reference the others are checked
 # against. XQA, TensorRT-LLM's decode kernel (no plan: block table + lengths), was slower
-# at every shape (benchmarks/RESULTS.md's log, 2026-11-30) and is left out by default.
+# at every shape (benchmarks/RESULTS.md's git history, 2026-11-30) and is left out by default.
 VARIANTS = (
     ("cuda-core", 16),  # BatchDecodeWithPagedKVCacheWrapper
     ("tensor-core", 16),  # the same wrapper on the prefill kernels (backend auto)

@@ -14,8 +14,8 @@ class CacheConfig:
     # Tokens per KV block. None: 64 on CUDA, 16 on the CPU. Larger pages make flashinfer's
     # page tables (built on the host every step) 4x shorter and its decode a little faster:
     # +0.6-2.2% offline throughput on the H200, same machine, against 16-token blocks
-    # (benchmarks/RESULTS.md); the price is coarser prefix caching (a hit is whole
-    # blocks), which the CPU path keeps at 16.
+    # (benchmarks/RESULTS.md's git history); the price is coarser prefix caching (a hit is
+    # whole blocks), which the CPU path keeps at 16.
     block_size: int | None = None
     # None: size the pool from kv_cache_memory_gib (CPU) or free GPU memory (GPU).
     num_blocks: int | None = None

@@ -2,10 +2,11 @@
 
 At GPU speed the engine's host work per step and the server's per-token gRPC writes each
 need most of a core; on one interpreter they take turns holding its lock, and the writes
-stretch the step the GPU waits for (benchmarks/RESULTS.md). The child is spawned (CUDA
-cannot be forked) and runs run_core over two multiprocessing queues, whose feeder threads
-keep a put from ever blocking either side; a reader thread in the parent hands what comes
-out to EngineCore.receive. The child exits when told to, or when its parent is gone.
+stretch the step the GPU waits for (benchmarks/RESULTS.md's git history). The child is
+spawned (CUDA cannot be forked) and runs run_core over two multiprocessing queues, whose
+feeder threads keep a put from ever blocking either side; a reader thread in the parent
+hands what comes out to EngineCore.receive. The child exits when told to, or when its
+parent is gone.
 """
 
 from __future__ import annotations

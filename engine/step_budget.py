@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # The prompt tokens a timed step may always carry beside its decodes. The CPU's projections
-# run 32 rows at half the rate per row of 2,048 (38.9 vs 1,317 ms, benchmarks/RESULTS.md),
+# run 32 rows at half the rate per row of 2,048 (38.9 vs 1,317 ms, benchmarks/RESULTS.md,
+# "CPU: offline, serving, projections"),
 # so 64 at about two thirds: a floor step wastes little where a loaded machine holds steps
 # at the floor.
 MIN_PREFILL_TOKENS = 64

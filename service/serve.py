@@ -163,7 +163,8 @@ async def run_on_own_thread(fn, *args):
     """fn(*args) on a fresh thread that ends with it. torch gives each thread that runs ops
     its own OpenMP pool; one left behind on an idle executor thread makes libgomp see more
     threads than cores and stop spin-waiting, which slows every CPU engine step by ~25%
-    (measured: benchmarks/RESULTS.md, "Serving over gRPC vs the offline engine")."""
+    (measured: benchmarks/RESULTS.md as of 9361dce, "Serving over gRPC vs the offline engine on
+    the CPU")."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 

@@ -39,8 +39,9 @@ MAX_CUDA_CORE_GROUP = 4
 # kernel gives each (sequence, KV head) one thread block, so with uneven context lengths
 # its longest sequences run on alone after the rest are done; the tensor-core path splits
 # the KV into balanced chunks. Measured on the H200 at the offline workload's own decode
-# steps (benchmarks/gpu_attention.py, RESULTS.md): tensor cores 3.73-3.87 TB/s against
-# 3.09-3.56 at 101-256 sequences; at 48 the CUDA-core kernel is 7% faster.
+# steps (benchmarks/gpu_attention.py, benchmarks/RESULTS.md's git history): tensor cores
+# 3.73-3.87 TB/s against 3.09-3.56 at 101-256 sequences; at 48 the CUDA-core kernel is 7%
+# faster.
 TENSOR_CORE_MIN_BATCH = 64
 
 

@@ -1,11 +1,11 @@
 """The CUDA-graph decode backend: decode steps through the engine's Triton kernel.
 
 engine/kernels/decode_attention.py splits every sequence's KV into chunks of one length,
-where flashinfer's graph-mode decode cannot (benchmarks/RESULTS.md). Each captured batch
-size has a DecodeWorkspace at fixed addresses; plan() copies the step's lengths and
-split into it before a replay. The kernel reads each sequence's block ids straight from
-its row of the persistent block table (kv_indices is the whole table, flat; a
-sequence's first page is at slot * block_width), so no page list is built or copied.
+where flashinfer's graph-mode decode cannot (benchmarks/RESULTS.md's git history). Each
+captured batch size has a DecodeWorkspace at fixed addresses; plan() copies the step's
+lengths and split into it before a replay. The kernel reads each sequence's block ids
+straight from its row of the persistent block table (kv_indices is the whole table, flat;
+a sequence's first page is at slot * block_width), so no page list is built or copied.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ batch sizes of a busy server, so each layer's attention ends with its longest se
 running alone. Equal chunks, a couple per streaming multiprocessor and KV head, keep the
 whole GPU streaming KV to the end. On the H200, at the offline workload's decode steps,
 this kernel takes 158 / 162 / 122 / 78 / 44 us a layer against flashinfer's best
-170 / 174 / 132 / 80 / 47 (benchmarks/RESULTS.md).
+170 / 174 / 132 / 80 / 47 (benchmarks/RESULTS.md, "Decode attention on GPU").
 
 The CUDA-graph decode runs it (engine/attention/triton_decode.py): a DecodeWorkspace
 per captured batch size holds the step's plan at fixed device addresses, and every launch
@@ -39,7 +39,8 @@ MIN_CHUNK_TOKENS = 128
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How a batch size's decode runs (benchmarks/gpu_attention.py's sweep, RESULTS.md)."""
+    """How a batch size's decode runs (benchmarks/gpu_attention.py's sweep:
+    benchmarks/results/h200-attention-triton-sweep-02abb42.json)."""
 
     items_per_sm: int  # chunks beyond one per sequence, per streaming multiprocessor
     block_n: int  # tokens per step of a program's loop
@@ -110,7 +111,7 @@ def _decode_chunk_kernel(
     # the kernel before this one (which writes q and the new K/V) still finishes.
     # Heads are the grid's fastest axis: an item's programs start together and read the
     # same pages' token rows (a token's KV heads lie side by side), 1-4% faster than items
-    # first at the workload's steps (benchmarks/RESULTS.md).
+    # first at the workload's steps (benchmarks/RESULTS.md, "Decode attention on GPU").
     kv_head = tl.program_id(0)
     item = tl.program_id(1)
     if item >= tl.load(split_ptr):

@@ -67,7 +67,7 @@ def exponential_race_torch(
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [R, vocab_size] from int32 [R, ceil(vocab_size / 32)]: bit v % 32 of word v // 32."""
     # Each word shifted by 0..31 at once: on the CPU a tenth of the time of gathering a
-    # word per token (benchmarks/RESULTS.md).
+    # word per token (benchmarks/RESULTS.md, "Structured output").
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = ((words[:, :, None] >> shifts) & 1).bool()
     return bits.view(words.shape[0], -1)[:, :vocab_size]

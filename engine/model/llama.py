@@ -45,8 +45,9 @@ class RMSNorm(nn.Module):
 
 # Up to this many rows (decode batches), CUDA bf16/fp16 projections take the skinny-GEMM
 # Triton kernel (engine/kernels/triton_linear.py) instead of cuBLAS. Measured on the H200
-# (benchmarks/gpu_kernels.py, RESULTS.md): a decoder layer's four projections take 22.6 vs
-# 31.2 us at 1 row and 21.4 vs 26.8 at 2; at 4 rows they are even, from 8 cuBLAS wins.
+# (benchmarks/gpu_kernels.py, benchmarks/RESULTS.md's git history): a decoder layer's four
+# projections take 22.6 vs 31.2 us at 1 row and 21.4 vs 26.8 at 2; at 4 rows they are even,
+# from 8 cuBLAS wins.
 SKINNY_MAX_ROWS = 2
 
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
