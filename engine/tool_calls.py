@@ -23,11 +23,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.constraints import Constraint
 from engine.errors import ValidationError
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.structured.constraints import Constraint
+from engine.text.tokenizer import Tokenizer
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 MAX_TOOLS = 128

@@ -1,5 +1,5 @@
 """Protobuf messages <-> engine types, and nothing more. Pure functions: prompts are encoded
-and checked by engine/prompts.py, a request's events gathered into its answer by
+and checked by engine/text/prompts.py, a request's events gathered into its answer by
 engine/outputs.py, values validated by SamplingParams.validate; shape errors of the
 message itself are raised here."""
 
@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import ValidationError
 from engine.outputs import (
     CandidateEvent,
@@ -24,9 +23,10 @@ from engine.outputs import (
     TokenLogprob,
     Usage,
 )
-from engine.prompts import PromptEncoder
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, check_count
-from engine.tokenizer import Tokenizer
+from engine.structured.constraints import MAX_CHOICES, Constraint
+from engine.text.prompts import PromptEncoder
+from engine.text.tokenizer import Tokenizer
 from engine.tool_calls import (
     FUNCTION_NAME,
     MAX_TOOLS,

@@ -1,7 +1,7 @@
 """The rules every front door (gRPC, REST) applies around a generation, in one place so
 the doors agree: whether a warm engine takes work (loading and draining refuse it), whether
 a request names the model served here, whether a caller holds the API key, how a prompt
-is encoded (engine/prompts.py, held to the engine's vocabulary and context), what a
+is encoded (engine/text/prompts.py, held to the engine's vocabulary and context), what a
 request id may be, which format the model writes tool calls in, which calls are in flight
 for a drain to wait on, and what log_requests writes."""
 
@@ -13,9 +13,9 @@ import hmac
 import logging
 from collections.abc import Iterator, Sequence
 
-from engine.async_engine import AsyncEngine
 from engine.errors import EngineError, ValidationError
-from engine.prompts import PromptEncoder
+from engine.serving.async_engine import AsyncEngine
+from engine.text.prompts import PromptEncoder
 from engine.tool_calls import detect_parser
 from service.metrics import ServerMetrics
 

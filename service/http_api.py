@@ -5,7 +5,7 @@ front door (service/front_door.py), so "loading" and "draining" answer 503 here 
 gRPC answers UNAVAILABLE, and a REST generation counts as in flight for the drain. A call's
 API key is checked before its body is read; the body is read within http_read_timeout,
 decoded (service/openai_schema.py: msgspec for shapes, SamplingParams.validate for values),
-encoded (engine/prompts.py: the model's chat template for messages) and submitted, all its
+encoded (engine/text/prompts.py: the model's chat template for messages) and submitted, all its
 prompts at once; each prompt's events are gathered into its answer (engine/outputs.py),
 formatted here as OpenAI's JSON, or as its SSE chunks when streaming. A client that goes
 away, from the moment its body is read, cancels its requests, which frees their KV blocks.
@@ -41,12 +41,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.async_engine import AsyncEngine, EngineStopped
 from engine.errors import EngineOverloaded, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, TokenLogprob
-from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import SamplingParams, check_count
-from engine.tokenizer import Tokenizer
+from engine.serving.async_engine import AsyncEngine, EngineStopped
+from engine.serving.request_stream import RequestStream, StreamOverflow
+from engine.text.tokenizer import Tokenizer
 from engine.tool_calls import ParsedText, ToolCallDelta, ToolCallReader, assemble
 from service.front_door import (
     MAX_MESSAGE_BYTES,

@@ -24,10 +24,10 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Raw
 
-from engine.constraints import MAX_CHOICES, MAX_SPEC_CHARS, Constraint
 from engine.errors import ValidationError
-from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.structured.constraints import MAX_CHOICES, MAX_SPEC_CHARS, Constraint
+from engine.text.prompts import MAX_CHAT_MESSAGES
 from engine.tool_calls import FUNCTION_NAME, MAX_TOOLS, ToolUse
 
 # Prompts in one completions request (each is an engine request; past the queue's room they

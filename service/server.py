@@ -25,14 +25,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import AsyncEngine, EngineStopped, EngineThread
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_process import EngineProcess
+from engine.core.engine import LLMEngine
 from engine.errors import DuplicateRequest, EngineOverloaded, ModelLoadError, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
-from engine.prompts import PromptEncoder
-from engine.request_stream import RequestStream, StreamOverflow
+from engine.serving.async_engine import AsyncEngine, EngineStopped, EngineThread
+from engine.serving.engine_process import EngineProcess
+from engine.serving.request_stream import RequestStream, StreamOverflow
+from engine.text.prompts import PromptEncoder
 from engine.tool_calls import TOOL_PARSERS, ToolCallReader
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
@@ -661,7 +661,7 @@ def warm_up(engine: AsyncEngine) -> None:
     """The front door's own first-call costs: a request's sampling, stopping and output
     options converted as a call's are, and a chat prompt encoded as one is (the chat
     template compiled, the tokenizer's first encode). Nothing is submitted: the engine
-    warmed itself up (engine/warmup.py) before it reported ready, and metrics count only
+    warmed itself up (engine/core/warmup.py) before it reported ready, and metrics count only
     real traffic."""
     tokenizer = engine.tokenizer
     request = pb.GenerateRequest(
@@ -699,7 +699,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     try:
         log.info("listening on %s; loading the model", server.where(config))
         # Off the loop, so health checks are answered (NOT_SERVING) while the model loads,
-        # its KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
+        # its KV pool is sized, its graphs are captured and its warm-up runs (engine/core/warmup.py).
         engine = await run_on_own_thread(load_engine, engine_config, config)
         warm_up(engine)
         model_name = Path(engine.info.model_path).name

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import EngineOverloaded, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
-from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineThread
+from engine.serving.request_stream import RequestStream, StreamOverflow
 from tests.tiny_models import write_tiny_model
 
 

@@ -18,7 +18,7 @@ import socket
 import grpc
 import pytest
 
-from engine.request_stream import RequestStream
+from engine.serving.request_stream import RequestStream
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.server import ServerConfig

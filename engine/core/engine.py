@@ -22,22 +22,22 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.batch import SlotBook
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.batch import SlotBook
+from engine.core.request import Request, Sequence, TokenMask
+from engine.core.runner import ForwardStep, LaunchedStep, StepOutput, StepPlan
+from engine.core.sampler import SamplingRows
+from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.core.startup import start_up
 from engine.errors import DuplicateRequest, ValidationError
-from engine.grammar import GrammarCompiler, MaskFill, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
-from engine.prompts import PromptEncoder
-from engine.request import Request, Sequence, TokenMask
-from engine.runner import ForwardStep, LaunchedStep, StepOutput, StepPlan
-from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.startup import start_up
 from engine.stats import EngineStats
-from engine.stop_strings import StopStringMatcher
+from engine.structured.grammar import GrammarCompiler, MaskFill, start_filling
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.prompts import PromptEncoder
+from engine.text.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """AsyncEngine: LLMEngine's loop, driven from asyncio.
 
 The loop (run_engine_loop) owns all engine state, on a thread of this process
-(EngineThread) or in a child process (engine/engine_process.py). Callers put Submit and
+(EngineThread) or in a child process (engine/serving/engine_process.py). Callers put Submit and
 Cancel into its inbox and read a RequestStream per request; a submit beyond
 max_queued_requests is refused at once (EngineOverloaded), so a burst cannot grow memory
 without bound. Each LoopOutput (one per inbox drain and per step) is handed out by
@@ -24,15 +24,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.warmup import warm_up
 from engine.errors import EngineError, EngineOverloaded, ModelLoadError, ValidationError
-from engine.grammar import PendingGrammar
 from engine.outputs import CandidateEvent, FinishReason
-from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams, validate_request
+from engine.serving.request_stream import RequestStream
 from engine.stats import EngineInfo, EngineStats
-from engine.tokenizer import Tokenizer
-from engine.warmup import warm_up
+from engine.structured.grammar import PendingGrammar
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
