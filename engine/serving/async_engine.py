@@ -413,7 +413,7 @@ class AsyncEngine:
                 continue
             if request_id in output.finished:
                 del self._streams[request_id]
-            caller.call_soon(caller.stream._push, batch)
+            caller.call_soon(caller.stream.push, batch)
 
     def _died(self, error: str) -> None:
         """The loop is gone: every waiting submit and every open stream fails with error."""
@@ -426,5 +426,5 @@ class AsyncEngine:
                 CandidateEvent(request_id, i, "", [], finish_reason=FinishReason.ERROR, error=error)
                 for i in range(caller.stream.n)
             ]
-            caller.call_soon(caller.stream._push, events)
+            caller.call_soon(caller.stream.push, events)
         self._streams.clear()
