@@ -347,6 +347,8 @@ def test_verified_proposals_equal_the_plain_path_token_for_token(tiny_llama, wro
 class AllowOnly:
     """A trivial mask: the same few tokens at every position; records what it accepted."""
 
+    matcher = None  # no grammar: fill_next fills its row
+
     def __init__(self, allowed: list[int]):
         self.allowed = allowed
         self.accepted: list[int] = []

@@ -38,12 +38,21 @@ from engine.outputs import FinishReason, RequestTiming, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import llguidance
+
     from engine.text.detokenizer import IncrementalDetokenizer
     from engine.text.stop_strings import StopStringMatcher
 
 
 class TokenMask(Protocol):
-    """Which tokens a candidate may sample next (structured output fills one per sequence)."""
+    """Which tokens a candidate may sample next (structured output fills one per sequence).
+
+    A step fills its masks one of two ways (engine/structured/grammar.py: start_filling): a
+    grammar's mask (GrammarMask) has its llguidance matcher, which llguidance fills on
+    threads of its own with the step's other grammar masks, beside the engine thread; any
+    other mask has none and fills its row itself (fill_next), on the engine thread."""
+
+    matcher: llguidance.LLMatcher | None  # None: fill_next fills the row
 
     def fill_next(self, bitmask: np.ndarray) -> None:
         """Write the allowed set into bitmask (int32 [ceil(vocab / 32)], bit v % 32 of

@@ -333,21 +333,22 @@ class GrammarMask:
 
 def start_filling(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> MaskFill:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
-    each (row, mask), which the mask fills. The grammar masks fill together on llguidance's
-    threads (those marked to fill alone, each alone: _MaskFiller), beside the caller, which
-    goes on at once; any other mask is filled here, in turn."""
+    each (row, mask), which the mask fills. The grammar masks (those with a matcher: each a
+    GrammarMask) fill together on llguidance's threads (those marked to fill alone, each
+    alone: _MaskFiller), beside the caller, which goes on at once; any other mask is filled
+    here, in turn."""
     fill = MaskFill(np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32))
     together, alone = [], []  # (matcher, row), (mask, row)
     try:
         for row, mask in masks:
-            if isinstance(mask, GrammarMask):
-                fill.grammars.append((mask, row))
-                if mask.fill_alone:
-                    alone.append((mask, row))
-                else:
-                    together.append((mask.matcher, row))
-            else:
+            if mask.matcher is None:
                 mask.fill_next(fill.allowed[row])
+                continue
+            fill.grammars.append((mask, row))
+            if mask.fill_alone:
+                alone.append((mask, row))
+            else:
+                together.append((mask.matcher, row))
     except Exception as exc:  # a fault of one step's masks, the caller's to report
         fill.error = exc
         return fill
