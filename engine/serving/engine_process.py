@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.serving.async_engine import EngineCore, Failed, LoopOutput, Stop, drain, run_core
+from engine.serving.async_engine import EngineCore, Failed, LoopOutput, Stop, run_core, take_inbox
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _child_main(
     parent = mp.parent_process()
 
     def take(block: bool) -> list:
-        items = drain(requests, block, timeout=LIVENESS_POLL_SECONDS)
+        items = take_inbox(requests, block, timeout=LIVENESS_POLL_SECONDS)
         if not items and block and parent is not None and not parent.is_alive():
             return [Stop()]  # orphaned: free the device
         return items
