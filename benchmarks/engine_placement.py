@@ -14,7 +14,7 @@ The ticker is load too (1,000 wakeups a second); `--tick-ms 0` measures without 
   short-lived thread, so the engine thread owns the process's only OpenMP pool: a pool
   left on a live thread (the loop's, an executor's) slows every step (benchmarks/RESULTS.md
   as of 9361dce, "Serving over gRPC vs the offline engine on the CPU").
-- process: AsyncEngine(EngineProcess(...)) (engine/engine_process.py): the loop in a
+- process: AsyncEngine(EngineProcess(...)) (engine/serving/engine_process.py): the loop in a
   spawned child; requests go in and each drain's or step's LoopOutput comes back over
   multiprocessing queues.
 """
@@ -45,11 +45,11 @@ from benchmarks.workload import (  # noqa: E402
     make_workload,
     run_info,
 )
-from engine.async_engine import AsyncEngine, EngineThread  # noqa: E402
 from engine.config import EngineConfig, engine_config_from_flat  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.engine_process import EngineProcess  # noqa: E402
+from engine.core.engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.serving.async_engine import AsyncEngine, EngineThread  # noqa: E402
+from engine.serving.engine_process import EngineProcess  # noqa: E402
 
 
 def build_on_own_thread(config: EngineConfig) -> LLMEngine:

@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_bench import SHAPES, write_random_model  # noqa: E402
 from benchmarks.host_overhead import time_parts  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
-from engine.constraints import Constraint  # noqa: E402
-from engine.grammar import GrammarCompiler  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.structured.constraints import Constraint  # noqa: E402
+from engine.structured.grammar import GrammarCompiler  # noqa: E402
+from engine.text.tokenizer import Tokenizer  # noqa: E402
 from tests.json_schemas import SCHEMAS  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def phase_times(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> d
     engine, runner = llm.engine, llm.engine.runner
     engine_module = sys.modules[type(engine).__module__]
     runner_module = sys.modules[type(runner).__module__]
-    filler = getattr(sys.modules["engine.grammar"], "_MaskFiller", None)
+    filler = getattr(sys.modules["engine.structured.grammar"], "_MaskFiller", None)
     totals: dict[str, float] = defaultdict(float)
     parts = [
         (engine, "step", "step"),

@@ -46,11 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.structured_output import documents  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
-from engine.constraints import Constraint  # noqa: E402
-from engine.grammar import GrammarCompiler  # noqa: E402
 from engine.kernels.race import unpack_bitmask  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.structured.constraints import Constraint  # noqa: E402
+from engine.structured.grammar import GrammarCompiler  # noqa: E402
+from engine.text.tokenizer import Tokenizer  # noqa: E402
 from tests.json_schemas import SCHEMAS  # noqa: E402
 
 SCHEMA = {

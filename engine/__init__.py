@@ -4,11 +4,11 @@ from engine import LLM, SamplingParams
 LLM().generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
-from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine
 
 __all__ = [
     "LLM",

@@ -48,7 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens per step, prefill and decode together
     enable_chunked_prefill: bool = True
     # Cut each step's prefill to what a step of this many seconds holds at the measured
-    # rate (engine/step_budget.py): a step is what a leaving caller or a stream's next
+    # rate (engine/core/step_budget.py): a step is what a leaving caller or a stream's next
     # token waits for. None: CPU_TARGET_STEP_SECONDS on the CPU, untimed on CUDA, whose
     # steps take milliseconds at the whole budget; 0: untimed.
     target_step_seconds: float | None = None

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine.config import EngineConfig, engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.warmup import warm_up
 from engine.outputs import RequestOutput, RequestOutputBuilder
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.warmup import warm_up
+from engine.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -28,7 +28,7 @@ class LLM:
     ):
         """`settings` are flat engine knobs (device, dtype, block_size, num_blocks, ...).
 
-        warmup runs engine/warmup.py first. Off by default: offline there is no readiness
+        warmup runs engine/core/warmup.py first. Off by default: offline there is no readiness
         to hold back and no first caller to spare, and a batch pays a kernel's build once
         either way; a benchmark that times steady state turns it on."""
         if config is None:
@@ -95,7 +95,7 @@ class LLM:
             for request_id in builders:
                 self.engine.abort_request(request_id)
             raise
-        token_lists.clear()  # the requests hold them now, as tuples (see engine/request.py)
+        token_lists.clear()  # the requests hold them now, as tuples (see engine/core/request.py)
         request_ids = list(builders)
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests:

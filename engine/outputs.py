@@ -121,7 +121,7 @@ class RequestOutputBuilder:
     ~500 tokens each would otherwise hold ~270k event objects until the end, which every
     full pass of Python's garbage collector walks (~30 ms a pass on the GPU host, with the
     GPU waiting). For the same reason the token ids wait in int64 arrays, and the prompt in
-    the request's tuple (engine/request.py): build() makes the lists."""
+    the request's tuple (engine/core/request.py): build() makes the lists."""
 
     request_id: str
     prompt_token_ids: SequenceOf[int]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.constraints import Constraint
 from engine.errors import ValidationError
+from engine.structured.constraints import Constraint
 
 MAX_N = 64  # candidates per request
 MAX_LOGPROBS = 20  # top alternatives per position, as in the OpenAI API

@@ -22,8 +22,10 @@ class StartupTimes:
     model_load: float = 0.0  # tokenizer and weights onto the device
     kv_profile: float = 0.0  # the largest step profiled (CUDA), the KV pool sized and allocated
     cuda_graphs: float = 0.0  # decode graphs captured
-    warmup: float = 0.0  # engine/warmup.py: every kernel path run once
-    cuda_graph_bytes: int = 0  # held by the graphs (engine/cuda_graphs.py: device_memory_taken)
+    warmup: float = 0.0  # engine/core/warmup.py: every kernel path run once
+    cuda_graph_bytes: int = (
+        0  # held by the graphs (engine/core/cuda_graphs.py: device_memory_taken)
+    )
 
     def describe(self) -> str:
         graphs = f"CUDA graphs {self.cuda_graphs:.2f} s"
@@ -54,7 +56,7 @@ GRAMMAR_BUILD_SECONDS_BOUNDS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10
 
 @dataclass(frozen=True)
 class GrammarStats:
-    """Cumulative: how the engine's constraints were compiled (engine/grammar.py)."""
+    """Cumulative: how the engine's constraints were compiled (engine/structured/grammar.py)."""
 
     cache_hits: int = 0
     # Builds (cache misses), each counted when it ends, whether or not its caller still

@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.constraints import Constraint
 from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.structured.constraints import Constraint
+from engine.text.tokenizer import Tokenizer
 
 TOOL_FORMATS = ("hermes", "llama3_json")
 MAX_TOOLS = 128

@@ -93,8 +93,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_warmup(args: argparse.Namespace, settings: Settings) -> int:
     """Build the engine as `serve` would, run its warm-up and exit: with kernel_cache_dir
     set, every kernel a server with these settings runs is then in that directory."""
-    from engine.engine import LLMEngine
-    from engine.warmup import warm_up
+    from engine.core.engine import LLMEngine
+    from engine.core.warmup import warm_up
 
     engine_config = settings.engine_config()
     settings.server_config()  # the same settings as serve: a bad one fails here too

@@ -1,7 +1,7 @@
 """The one converter: a GenerationRequest (service/request.py) to the engine's inputs.
 
 Every door parses its wire format into a GenerationRequest; this makes of it what the
-engine takes: each prompt's checked token ids (engine/prompts.py), the SamplingParams, and
+engine takes: each prompt's checked token ids (engine/text/prompts.py), the SamplingParams, and
 the tools offered with what the request asks of them. An error names the field as the
 caller sent it (GenerationRequest.field_names).
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.errors import ValidationError
-from engine.prompts import PromptEncoder
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, check_count
+from engine.text.prompts import PromptEncoder
 from engine.tool_use import ToolUse
 from service.request import GenerationRequest, Prompt
 

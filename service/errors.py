@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.async_engine import EngineStopped
 from engine.errors import DuplicateRequest, EngineError, EngineOverloaded, ValidationError
 from engine.outputs import CandidateEvent
-from engine.request_stream import StreamOverflow
+from engine.serving.async_engine import EngineStopped
+from engine.serving.request_stream import StreamOverflow
 
 RETRY_AFTER_SECONDS = 0.25  # the retry hint: gRPC's retry-after-ms; HTTP rounds up to 1 s
 

@@ -13,10 +13,10 @@ import hmac
 import logging
 from collections.abc import Iterator, Sequence
 
-from engine.async_engine import AsyncEngine
 from engine.errors import ValidationError
-from engine.prompts import PromptEncoder
-from engine.request_stream import RequestStream
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.request_stream import RequestStream
+from engine.text.prompts import PromptEncoder
 from engine.tool_use import detect_format
 from service.convert import EngineInputs, engine_inputs, named_as_sent
 from service.errors import ServiceUnavailable, UnknownModel

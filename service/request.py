@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.constraints import Constraint
+from engine.structured.constraints import Constraint
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 

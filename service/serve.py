@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_process import EngineProcess
+from engine.core.engine import LLMEngine
 from engine.errors import ModelLoadError, ValidationError
-from engine.prompts import PromptEncoder
+from engine.serving.async_engine import AsyncEngine, EngineThread
+from engine.serving.engine_process import EngineProcess
+from engine.text.prompts import PromptEncoder
 from pagedserve.v1 import inference_pb2 as pb
 from service.config import ServerConfig
 from service.convert import sampling_params
@@ -184,7 +184,7 @@ def warm_up_doors(engine: AsyncEngine) -> None:
     """The doors' own first-call costs: a request's sampling, stopping and output
     options converted as a call's are, and a chat prompt encoded as one is (the chat
     template compiled, the tokenizer's first encode). Nothing is submitted: the engine
-    warmed itself up (engine/warmup.py) before it reported ready, and metrics count only
+    warmed itself up (engine/core/warmup.py) before it reported ready, and metrics count only
     real traffic."""
     tokenizer = engine.tokenizer
     request = pb.GenerateRequest(
@@ -223,7 +223,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     try:
         log.info("listening on %s; loading the model", server.where(config))
         # Off the loop, so health checks are answered (NOT_SERVING) while the model loads,
-        # its KV pool is sized, its graphs are captured and its warm-up runs (engine/warmup.py).
+        # its KV pool is sized, its graphs are captured and its warm-up runs (engine/core/warmup.py).
         engine = await run_on_own_thread(load_engine, engine_config, config)
         warm_up_doors(engine)
         model_name = Path(engine.info.model_path).name

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.sampler import SamplingRows
+from engine.core.sampler import SamplingRows
 from engine.sampling_params import SamplingParams
 
 

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import EngineOverloaded, ValidationError
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
-from engine.request_stream import RequestStream, StreamOverflow
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineThread
+from engine.serving.request_stream import RequestStream, StreamOverflow
 from tests.tiny_models import write_tiny_model
 
 
@@ -117,15 +117,15 @@ def final_event(index: int) -> CandidateEvent:
 async def test_events_a_slow_consumer_left_waiting_come_out_merged_in_order():
     stream = RequestStream("r", 1)
     lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
-    stream._push([CandidateEvent("r", 0, f"t{t}", [t], logprobs=[lp[t]]) for t in range(3)])
+    stream.push([CandidateEvent("r", 0, f"t{t}", [t], logprobs=[lp[t]]) for t in range(3)])
     iterator = aiter(stream)
     merged = await anext(iterator)
     assert (merged.text, merged.token_ids, merged.logprobs) == ("t0t1t2", [0, 1, 2], lp[:3])
     assert not merged.finished
-    stream._push([CandidateEvent("r", 0, "t3", [3], logprobs=[lp[3]])])
+    stream.push([CandidateEvent("r", 0, "t3", [3], logprobs=[lp[3]])])
     alone = await anext(iterator)  # one waiting event is handed out as it is
     assert (alone.text, alone.token_ids) == ("t3", [3])
-    stream._push([final_event(0)])
+    stream.push([final_event(0)])
     assert (await anext(iterator)).finish_reason is FinishReason.LENGTH
     assert [e async for e in iterator] == []
 
@@ -133,8 +133,8 @@ async def test_events_a_slow_consumer_left_waiting_come_out_merged_in_order():
 async def test_full_mailbox_fails_only_that_stream():
     overflows = []
     stream = RequestStream("r", 2, mailbox_size=4, abort=lambda door: overflows.append(door))
-    stream._push([step_event(0, t) for t in range(6)])  # two more than the mailbox holds
-    stream._push([step_event(0, 9)])
+    stream.push([step_event(0, t) for t in range(6)])  # two more than the mailbox holds
+    stream.push([step_event(0, 9)])
     assert overflows == ["slow_reader"]  # the request is cancelled once
     with pytest.raises(StreamOverflow, match="fell behind by 4 events"):
         async for _ in stream:
@@ -143,8 +143,8 @@ async def test_full_mailbox_fails_only_that_stream():
 
 async def test_final_event_is_never_swallowed_by_a_full_mailbox():
     stream = RequestStream("r", 2, mailbox_size=3, abort=lambda door: pytest.fail("cancelled"))
-    stream._push([step_event(0, t) for t in range(3)] + [final_event(0)])
-    stream._push([step_event(1, 7), final_event(1), final_event(1)])  # a late duplicate too
+    stream.push([step_event(0, t) for t in range(3)] + [final_event(0)])
+    stream.push([step_event(1, 7), final_event(1), final_event(1)])  # a late duplicate too
     seen = [(e.index, e.token_ids, e.finished) async for e in stream]
     assert seen == [
         (0, [0, 1, 2], False),  # what piled up comes out as one delta

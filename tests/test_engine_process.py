@@ -10,13 +10,13 @@ import signal
 import grpc
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineStopped
 from engine.config import engine_config_from_flat
-from engine.engine_process import EngineProcess
 from engine.errors import ModelLoadError, ValidationError
 from engine.llm import LLM
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineStopped
+from engine.serving.engine_process import EngineProcess
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.flashinfer_backend import page_table, split_step
 from engine.config import CacheConfig, EngineConfig
-from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes
+from engine.core.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes
 from engine.errors import ValidationError
 from engine.kernels.kv_cache import store_kv_torch
 from tests.test_torch_attention import (
@@ -29,7 +29,7 @@ from tests.test_torch_attention import (
 
 def test_gpu_modules_import_without_flashinfer():
     code = (
-        "import sys, engine.attention.cuda, engine.cuda_graphs, engine.engine; "
+        "import sys, engine.attention.cuda, engine.core.cuda_graphs, engine.core.engine; "
         "assert 'flashinfer' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -26,17 +26,17 @@ from engine.attention.cuda import CudaAttention
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.attention.triton_decode import TritonGraphDecode
-from engine.constraints import Constraint
+from engine.core.runner import MAX_GRAPH_ROWS_PER_SEQ
+from engine.core.sampler import Sampler
+from engine.core.transfer import upload
 from engine.kernels import rotary_and_store_kv
 from engine.kernels.rotary import rotary_and_store_kv_torch
 from engine.kv.pool import kv_bytes_per_block
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.outputs import FinishReason, RequestOutput, RequestOutputBuilder
-from engine.runner import MAX_GRAPH_ROWS_PER_SEQ
-from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.transfer import upload
+from engine.structured.constraints import Constraint
 from tests.json_schemas import FIXED_KEYS, FIXED_KEYS_SCHEMA
 from tests.sampling import sampling_tensors
 from tests.test_kernels import (

@@ -235,8 +235,8 @@ def _child(model: str, block_size: int, results: mp.Queue) -> None:
     try:
         install_hooks(log)
         from engine.config import engine_config_from_flat
-        from engine.engine import LLMEngine
-        from engine.warmup import warm_up
+        from engine.core.engine import LLMEngine
+        from engine.core.warmup import warm_up
 
         config = engine_config_from_flat(
             model=model,

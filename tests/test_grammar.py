@@ -14,12 +14,12 @@ import pytest
 from llguidance import LLParserLimits
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine import grammar
-from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import EngineOverloaded, ValidationError
-from engine.grammar import GrammarCompiler, start_filling
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.structured import grammar
+from engine.structured.constraints import MAX_CHOICES, Constraint
+from engine.structured.grammar import GrammarCompiler, start_filling
+from engine.text.tokenizer import Tokenizer
 from tests.json_schemas import slow_schema
 
 SLOW_SCHEMA = slow_schema(2000)  # ~0.2 s to build on one CPU core

@@ -11,12 +11,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
-from engine.engine_process import EngineProcess
+from engine.core.engine import LLMEngine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineThread
+from engine.serving.engine_process import EngineProcess
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig

@@ -13,11 +13,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.outputs import CandidateEvent
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineThread
 from service.metrics import ServerMetrics, rpc_status
 from tests.tiny_models import write_tiny_model
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batch import SlotBook
+from engine.core.batch import SlotBook
+from engine.core.request import Sequence
+from engine.core.runner import MAX_GRAPH_ROWS_KV_READS, MAX_GRAPH_ROWS_PER_SEQ, StepPlan
+from engine.core.sampler import SamplingRows
 from engine.llm import LLM
 from engine.outputs import FinishReason
-from engine.request import Sequence
-from engine.runner import MAX_GRAPH_ROWS_KV_READS, MAX_GRAPH_ROWS_PER_SEQ, StepPlan
-from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams
 from tests.invariants import check_invariants
 from tests.test_engine import GREEDY, assert_pool_empty, random_prompts
@@ -346,6 +346,8 @@ def test_verified_proposals_equal_the_plain_path_token_for_token(tiny_llama, wro
 
 class AllowOnly:
     """A trivial mask: the same few tokens at every position; records what it accepted."""
+
+    matcher = None  # no grammar: fill_next fills its row
 
     def __init__(self, allowed: list[int]):
         self.allowed = allowed

@@ -6,11 +6,11 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import ValidationError
-from engine.prompts import MAX_CHAT_MESSAGES, PromptEncoder
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.prompts import MAX_CHAT_MESSAGES, PromptEncoder
+from engine.text.tokenizer import Tokenizer
 from tests.tiny_models import (
     CHAT_TEMPLATE,
     TOKENIZER_VOCAB_SIZE,

@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kernels.race import exponential_noise
-from engine.sampler import (
+from engine.core.sampler import (
     Sampler,
     SamplerOutput,
     _penalise_and_ban,
     prompt_logprobs,
 )
+from engine.kernels.race import exponential_noise
 from engine.sampling_params import SamplingParams
 from tests.sampling import sampling_tensors
 

@@ -14,14 +14,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.batch import SlotBook
 from engine.config import CPU_TARGET_STEP_SECONDS, EngineConfig, SchedulerConfig
+from engine.core.batch import SlotBook
+from engine.core.request import Request, Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.step_budget import MIN_PREFILL_TOKENS, StepBudget
 from engine.errors import ValidationError
 from engine.kv.block_manager import BlockManager
-from engine.request import Request, Sequence, SequenceStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.step_budget import MIN_PREFILL_TOKENS, StepBudget
 from tests.invariants import check_invariants
 
 _arrivals = itertools.count()

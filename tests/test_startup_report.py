@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import device_memory_taken
+from engine.core.cuda_graphs import device_memory_taken
 from engine.stats import StartupTimes
 
 GIB = 2**30

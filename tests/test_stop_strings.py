@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import ValidationError
-from engine.stop_strings import StopStringMatcher
+from engine.text.stop_strings import StopStringMatcher
 
 # A small alphabet so stops actually occur, overlap, and straddle deltas.
 ALPHABET = "ab<|>é🙂"

@@ -20,10 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, Field
 
-from engine.constraints import Constraint
+from engine.core.runner import MAX_GRAPH_ROWS_PER_SEQ, ModelRunner
 from engine.llm import LLM
-from engine.runner import MAX_GRAPH_ROWS_PER_SEQ, ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.structured.constraints import Constraint
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig

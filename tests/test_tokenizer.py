@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.errors import ModelLoadError, ValidationError
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from tests.tiny_models import build_tiny_sentencepiece_gguf
 
 MIXED_CORPUS = [

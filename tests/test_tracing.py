@@ -12,11 +12,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import ValidationError
 from engine.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineThread
 from service.metrics import rpc_status
 from service.tracing import RequestTracer, configure_tracing
 from tests.tiny_models import write_tiny_model

@@ -1,4 +1,4 @@
-"""engine/warmup.py on the CPU: what it runs, and that it leaves the engine as if fresh."""
+"""engine/core/warmup.py on the CPU: what it runs, and that it leaves the engine as if fresh."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 import pytest
 
 from engine.config import engine_config_from_flat
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.warmup import warm_up
 from engine.outputs import RequestOutputBuilder
 from engine.sampling_params import SamplingParams
-from engine.warmup import warm_up
 from tests.invariants import check_invariants
 from tests.tiny_models import write_tiny_model
 
@@ -164,7 +164,7 @@ def test_warm_up_measures_the_step_budget_of_timed_steps(tiny_qwen3):
 
 
 def test_the_engine_thread_warms_up_before_its_first_stats(tiny_qwen3):
-    from engine.async_engine import EngineThread
+    from engine.serving.async_engine import EngineThread
 
     engine = engine_for(tiny_qwen3, max_num_seqs=4, max_num_batched_tokens=32)
     core = EngineThread(engine)
@@ -180,7 +180,7 @@ def test_the_engine_thread_warms_up_before_its_first_stats(tiny_qwen3):
 def test_kernel_cache_dir_points_triton_and_flashinfer_at_one_directory(tmp_path, monkeypatch):
     import os
 
-    from engine.kernel_cache import FLASHINFER_ENV, TRITON_ENV, apply_kernel_cache_dir
+    from engine.core.kernel_cache import FLASHINFER_ENV, TRITON_ENV, apply_kernel_cache_dir
 
     monkeypatch.delenv(TRITON_ENV, raising=False)
     monkeypatch.delenv(FLASHINFER_ENV, raising=False)
@@ -196,8 +196,8 @@ def test_kernel_cache_dir_points_triton_and_flashinfer_at_one_directory(tmp_path
 def test_the_engine_process_warms_up_and_applies_the_kernel_cache_in_the_child(
     tiny_qwen3, tmp_path
 ):
-    from engine.async_engine import AsyncEngine
-    from engine.engine_process import EngineProcess
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.engine_process import EngineProcess
 
     cache = tmp_path / "kernels"
     config = engine_config_from_flat(

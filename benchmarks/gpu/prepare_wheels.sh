@@ -28,7 +28,7 @@ done
 du -sh .whl
 if [ -x .venv/bin/python ]; then
   .venv/bin/python -c "from pathlib import Path; from benchmarks.structured_output import \
-save_tokenizer; from engine.model_store import resolve_model; from engine.tokenizer import \
+save_tokenizer; from engine.model_store import resolve_model; from engine.text.tokenizer import \
 Tokenizer; save_tokenizer(Tokenizer.from_path(resolve_model(None)), Path('.bench-tokenizer'))"
   echo "saved the embedded default's tokenizer to .bench-tokenizer/"
 fi

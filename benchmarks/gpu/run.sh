@@ -129,7 +129,8 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/token-masks.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured-base) failed=0
       for base in .ab_base/*/; do
-        [ -f "$base/engine/grammar.py" ] || continue  # an engine without structured output
+        [ -f "$base/engine/structured/grammar.py" ] || [ -f "$base/engine/grammar.py" ] \
+          || continue  # an engine without structured output
         label=$(cat "$base/COMMIT")
         (cd "$base" && BENCH_COMMIT=$label PYTHONPATH=/tmp/site:$PWD \
           python3 benchmarks/structured_output.py $STRUCTURED_ARGS \

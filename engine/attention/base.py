@@ -9,7 +9,7 @@ position seq_len - q_len + j and may attend to keys [0, that position] (causal).
 KV pool, one tensor per layer, flashinfer's NHD paged layout:
     kv_cache[layer]: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
 Token t of sequence i lives in block block_table[slots[i], t // block_size] at offset
-t % block_size: block_table is the persistent batch's (engine/batch.py), one row per
+t % block_size: block_table is the persistent batch's (engine/core/batch.py), one row per
 slot. slot_mapping[row] = block_id * block_size + offset is where a new row's K/V are
 written; a slot of -1 means "write nowhere" (padding rows).
 

@@ -51,8 +51,9 @@ class Prefill:
 
 
 @dataclass
-class StepPlan:
-    """What every layer of one step shares: computed on the first layer, reused by the rest."""
+class AttentionPlan:
+    """A step's attention work, which every layer shares: decodes in groups, prefills one
+    by one; computed on the first layer, reused by the rest."""
 
     decode_groups: list[DecodeGroup]
     prefills: list[Prefill]
@@ -60,7 +61,7 @@ class StepPlan:
 
 class TorchPagedAttention(EagerOnly):
     def __init__(self) -> None:
-        self._plan: StepPlan | None = None
+        self._plan: AttentionPlan | None = None
         self._planned_for: AttentionMetadata | None = None
 
     def configure(
@@ -69,7 +70,7 @@ class TorchPagedAttention(EagerOnly):
         pass  # it reads the head shape off its inputs
 
     def plan(self, meta: AttentionMetadata) -> None:
-        self._plan, self._planned_for = plan_step(meta), meta
+        self._plan, self._planned_for = plan_attention(meta), meta
 
     def forward(
         self,
@@ -157,7 +158,7 @@ class TorchPagedAttention(EagerOnly):
         return out.reshape(q_len, num_q_heads, head_dim).to(q.dtype)
 
 
-def plan_step(meta: AttentionMetadata) -> StepPlan:
+def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     device = meta.slot_mapping.device
     query_lens, seq_lens = meta.query_lens.tolist(), meta.seq_lens.tolist()
     slots = torch.as_tensor(meta.slots, dtype=torch.int64, device=device)
@@ -201,7 +202,7 @@ def plan_step(meta: AttentionMetadata) -> StepPlan:
         prefills.append(
             Prefill(starts[i], starts[i + 1], block_table([i], seq_len), seq_len, causal)
         )
-    return StepPlan(decode_groups=groups, prefills=prefills)
+    return AttentionPlan(decode_groups=groups, prefills=prefills)
 
 
 def gather_blocks(

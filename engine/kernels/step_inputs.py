@@ -1,4 +1,4 @@
-"""A step's inputs read from the persistent batch's tables (engine/batch.py).
+"""A step's inputs read from the persistent batch's tables (engine/core/batch.py).
 
 Per flat row (its slot and position, int64): the input token id and the KV slot its K/V
 go to (-1, nowhere, for a padding row). On CUDA one Triton kernel, not a dozen small ops:

@@ -380,13 +380,13 @@ def rotary_and_store_kv(
     return q_out
 
 
-# ---- sampling: the exponential race of engine/sampler.py, in one pass over the logits ----
+# ---- sampling: the exponential race of engine/core/sampler.py, in one pass over the logits ----
 
 
 @triton.jit
 def _fmix32(x):
     # MurmurHash3's finaliser on uint32, whose products wrap mod 2^32: the same bits as
-    # engine/sampler.py's int64 emulation, so the noise is bit-identical to the torch path's.
+    # engine/core/sampler.py's int64 emulation, so the noise is bit-identical to the torch path's.
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
@@ -404,7 +404,7 @@ def _row_key(seed, counter):
 
 @triton.jit
 def _log_exponential_noise(bits, FAST: tl.constexpr):
-    # log(E) for E = -log(u), u = ((bits >> 9) + 0.5) * 2^-23: engine/sampler.py's noise.
+    # log(E) for E = -log(u), u = ((bits >> 9) + 0.5) * 2^-23: engine/core/sampler.py's noise.
     uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
     if not FAST:  # libdevice's logf, a ~20-instruction polynomial (the interpreter's path)
         return tl.log(-tl.log(uniform))
@@ -595,7 +595,7 @@ def split_exponential_race(
     return out
 
 
-# ---- the persistent batch (engine/batch.py) ------------------------------------------------
+# ---- the persistent batch (engine/core/batch.py) ------------------------------------------------
 
 
 @triton.jit(do_not_specialize=["num_rows"])

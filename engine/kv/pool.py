@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.batch import BatchChanges
 from engine.config import EngineConfig
+from engine.core.batch import BatchChanges
+from engine.core.runner import ModelRunner, StepPlan
+from engine.core.sampler import SamplingRows
 from engine.errors import ValidationError
 from engine.model.config import ModelConfig
-from engine.runner import ModelRunner, StepPlan
-from engine.sampler import SamplingRows
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from engine.async_engine import AsyncEngine
 from engine.errors import DuplicateRequest
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
-from engine.request_stream import RequestStream, StreamOverflow
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.request_stream import RequestStream, StreamOverflow
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.answer import Answer

@@ -10,7 +10,6 @@ import re
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from engine.constraints import MAX_CHOICES, Constraint
 from engine.errors import ValidationError
 from engine.outputs import (
     CandidateEvent,
@@ -22,7 +21,8 @@ from engine.outputs import (
     Usage,
 )
 from engine.sampling_params import check_count
-from engine.tokenizer import Tokenizer
+from engine.structured.constraints import MAX_CHOICES, Constraint
+from engine.text.tokenizer import Tokenizer
 from engine.tool_use import FUNCTION_NAME, MAX_TOOLS
 from pagedserve.v1 import inference_pb2 as pb
 from service.answer import Answer

@@ -21,11 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from engine.async_engine import AsyncEngine
 from engine.errors import ValidationError
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder
-from engine.request_stream import RequestStream, StreamOverflow
-from engine.tokenizer import Tokenizer
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.request_stream import RequestStream, StreamOverflow
+from engine.text.tokenizer import Tokenizer
 from service.answer import Answer
 from service.convert import EngineInputs
 from service.errors import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.outputs import FinishReason, TokenLogprob, Usage
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from service.tool_calls import ParsedText, ToolCallDelta, assemble
 
 # Why a choice ended (ToolCallReader.finish_reason's words), as OpenAI says it.

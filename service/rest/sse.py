@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from fastapi.responses import Response, StreamingResponse
 
 from engine.outputs import CandidateEvent
-from engine.request_stream import RequestStream
+from engine.serving.request_stream import RequestStream
 from service.rest.errors import closing_error
 
 T = TypeVar("T")

@@ -21,8 +21,8 @@ import time
 import grpc
 import pytest
 
+from engine.core.request import SequenceStatus
 from engine.llm import LLM
-from engine.request import SequenceStatus
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc

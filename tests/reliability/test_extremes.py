@@ -25,8 +25,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.errors import ValidationError
-from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from engine.text.prompts import MAX_CHAT_MESSAGES
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig

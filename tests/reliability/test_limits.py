@@ -13,7 +13,6 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from engine.prompts import MAX_CHAT_MESSAGES
 from engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
@@ -21,6 +20,7 @@ from engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from engine.text.prompts import MAX_CHAT_MESSAGES
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig

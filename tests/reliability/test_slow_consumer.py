@@ -18,7 +18,7 @@ import socket
 import grpc
 import pytest
 
-from engine.request_stream import RequestStream
+from engine.serving.request_stream import RequestStream
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig
@@ -42,13 +42,13 @@ def tiny_model(tmp_path_factory):
 def deepest_mailbox(monkeypatch) -> list[int]:
     """[the most step events any candidate's mailbox ever held], updated as events arrive."""
     deepest = [0]
-    push = RequestStream._push
+    push = RequestStream.push
 
     def recording(self, events):
         push(self, events)
         deepest[0] = max(deepest[0], *(len(m) for m in self._mailboxes))
 
-    monkeypatch.setattr(RequestStream, "_push", recording)
+    monkeypatch.setattr(RequestStream, "push", recording)
     return deepest
 
 

@@ -20,9 +20,9 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.async_engine import AsyncEngine
 from engine.config import engine_config_from_flat
-from engine.engine_process import EngineProcess
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.engine_process import EngineProcess
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig

@@ -13,7 +13,7 @@ KV regions of a sequence's num_tokens tokens (prompt + output sampled so far):
 num_tokens counts every token sampled, also those of a step still running on the device
 whose ids the host has not read back yet; token_ids holds the ids the host has. The
 device has them all: a running sequence owns a slot of the persistent batch
-(engine/batch.py), whose token row the sampler writes. A sequence samples its next token
+(engine/core/batch.py), whose token row the sampler writes. A sequence samples its next token
 in the step whose chunk reaches num_tokens. Preemption by recompute frees the blocks and
 the slot and sets num_computed_tokens back to 0.
 
@@ -38,12 +38,21 @@ from engine.outputs import FinishReason, RequestTiming, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.stop_strings import StopStringMatcher
+    import llguidance
+
+    from engine.text.detokenizer import IncrementalDetokenizer
+    from engine.text.stop_strings import StopStringMatcher
 
 
 class TokenMask(Protocol):
-    """Which tokens a candidate may sample next (structured output fills one per sequence)."""
+    """Which tokens a candidate may sample next (structured output fills one per sequence).
+
+    A step fills its masks one of two ways (engine/structured/grammar.py: start_filling): a
+    grammar's mask (GrammarMask) has its llguidance matcher, which llguidance fills on
+    threads of its own with the step's other grammar masks, beside the engine thread; any
+    other mask has none and fills its row itself (fill_next), on the engine thread."""
+
+    matcher: llguidance.LLMatcher | None  # None: fill_next fills the row
 
     def fill_next(self, bitmask: np.ndarray) -> None:
         """Write the allowed set into bitmask (int32 [ceil(vocab / 32)], bit v % 32 of

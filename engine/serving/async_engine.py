@@ -1,10 +1,10 @@
 """AsyncEngine: LLMEngine's loop, driven from asyncio.
 
 The loop (run_engine_loop) owns all engine state, on a thread of this process
-(EngineThread) or in a child process (engine/engine_process.py). Callers put Submit and
+(EngineThread) or in a child process (engine/serving/engine_process.py). Callers put Submit and
 Cancel into its inbox and read a RequestStream per request; a submit beyond
 max_queued_requests is refused at once (EngineOverloaded), so a burst cannot grow memory
-without bound. Each LoopOutput (one per inbox drain and per step) is handed out by
+without bound. Each LoopOutput (one per take of the inbox and per step) is handed out by
 AsyncEngine.deliver on the core's thread: admissions settle submit() futures, events go
 to their streams through call_soon_threadsafe, and the immutable EngineStats is published
 by swapping one reference, so readers need no lock.
@@ -24,15 +24,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.warmup import warm_up
 from engine.errors import EngineError, EngineOverloaded, ModelLoadError, ValidationError
-from engine.grammar import PendingGrammar
 from engine.outputs import CandidateEvent, FinishReason
-from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams, validate_request
+from engine.serving.request_stream import RequestStream
 from engine.stats import EngineInfo, EngineStats
-from engine.tokenizer import Tokenizer
-from engine.warmup import warm_up
+from engine.structured.grammar import PendingGrammar
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Cancel:
     request_id: str
     door: str  # who asked: aborts are counted by door and stage (EngineStats.aborts)
     # Only the request Submit(ticket) admitted, not a later one that reuses its id; if that
-    # Submit is in the same inbox drain, it is never admitted. None: whatever has the id.
+    # Submit is in the same take of the inbox, it is never admitted. None: whatever has the id.
     ticket: int | None = None
 
 
@@ -72,7 +72,7 @@ class Stop:
 
 @dataclass
 class LoopOutput:
-    """What one inbox drain or one step produced."""
+    """What one take of the inbox or one step produced."""
 
     admissions: list[tuple[int, EngineError | None]]  # (ticket, why it was refused)
     events: list[CandidateEvent]
@@ -90,7 +90,7 @@ def run_engine_loop(
     take: Callable[[bool], list[Submit | Cancel | Stop]],
     deliver: Callable[[LoopOutput], None],
 ) -> None:
-    """Drain the inbox, step, report; until a Stop. take(block) returns the items waiting
+    """Take the inbox, step, report; until a Stop. take(block) returns the items waiting
     (block: wait a while for the first, there being nothing else to do). A cancel that
     arrives during step t takes its request out before step t + 1."""
     tickets: dict[str, int] = {}  # live request id -> the ticket of the Submit that admitted it
@@ -248,11 +248,11 @@ class EngineThread(EngineCore):
         self.info = engine.info
         self.tokenizer = engine.tokenizer
         self._inbox = queue.Queue()
-        args = (lambda: engine, warmup, partial(drain, self._inbox), self.receive)
+        args = (lambda: engine, warmup, partial(take_inbox, self._inbox), self.receive)
         self._worker = threading.Thread(target=run_core, args=args, name="engine-loop", daemon=True)
 
 
-def drain(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
+def take_inbox(inbox: queue.Queue, block: bool, timeout: float = 0.05) -> list:
     """Every item waiting in inbox; with block, waits up to timeout for the first."""
     items = []
     try:
@@ -413,7 +413,7 @@ class AsyncEngine:
                 continue
             if request_id in output.finished:
                 del self._streams[request_id]
-            caller.call_soon(caller.stream._push, batch)
+            caller.call_soon(caller.stream.push, batch)
 
     def _died(self, error: str) -> None:
         """The loop is gone: every waiting submit and every open stream fails with error."""
@@ -426,5 +426,5 @@ class AsyncEngine:
                 CandidateEvent(request_id, i, "", [], finish_reason=FinishReason.ERROR, error=error)
                 for i in range(caller.stream.n)
             ]
-            caller.call_soon(caller.stream._push, events)
+            caller.call_soon(caller.stream.push, events)
         self._streams.clear()

@@ -46,7 +46,10 @@ class RequestStream:
     def __post_init__(self) -> None:
         self._mailboxes = [deque() for _ in range(self.n)]
 
-    def _push(self, events: list[CandidateEvent]) -> None:
+    def push(self, events: list[CandidateEvent]) -> None:
+        """Take the engine's next events for this request: a step event into its
+        candidate's mailbox, a final one into its slot. Call it on the event loop that
+        iterates the stream."""
         for event in events:
             if event.finished:
                 self._finals.setdefault(event.index, event)  # a late duplicate is ignored

@@ -2,7 +2,7 @@
 expression, a context-free grammar, or one of a list of strings.
 
 A Constraint is a plain value, checked here for what can be checked without compiling it
-(engine/grammar.py compiles it for the model's tokenizer and turns it into token masks).
+(engine/structured/grammar.py compiles it for the model's tokenizer and turns it into token masks).
 It names the request field it came from, so that every refusal, here or from the
 compiler, says where the fault is in the caller's own terms.
 """

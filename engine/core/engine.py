@@ -22,22 +22,22 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.batch import SlotBook
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.batch import SlotBook
+from engine.core.request import Request, Sequence, TokenMask
+from engine.core.runner import ForwardStep, LaunchedStep, StepOutput, StepPlan
+from engine.core.sampler import SamplingRows
+from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.core.startup import start_up
 from engine.errors import DuplicateRequest, ValidationError
-from engine.grammar import GrammarCompiler, MaskFill, start_filling
 from engine.kv.block_manager import BlockManager
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob, Usage
-from engine.prompts import PromptEncoder
-from engine.request import Request, Sequence, TokenMask
-from engine.runner import ForwardStep, LaunchedStep, StepOutput, StepPlan
-from engine.sampler import SamplingRows
 from engine.sampling_params import SamplingParams, candidate_seed, validate_request
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from engine.startup import start_up
 from engine.stats import EngineStats
-from engine.stop_strings import StopStringMatcher
+from engine.structured.grammar import GrammarCompiler, MaskFill, start_filling
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.prompts import PromptEncoder
+from engine.text.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,13 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         caching = config.cache.enable_prefix_caching
         self.block_manager = BlockManager(self.info.kv_num_blocks, config.block_size, caching)
+        # The persistent batch's host record, shared with the scheduler, which places and
+        # releases sequences in it; the engine writes the tokens it adds unsampled (proposals,
+        # forced tokens), follows a rollback's blocks and takes each step's changes.
         num_slots, runner = config.scheduler.max_num_seqs, self.runner
-        slots = SlotBook(num_slots, runner.token_width, runner.block_width)
+        self.slots = SlotBook(num_slots, runner.token_width, runner.block_width)
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, slots, config.target_step_seconds
+            config.scheduler, self.block_manager, self.slots, config.target_step_seconds
         )
         self.requests: dict[str, Request] = {}
         # Async scheduling: the step queued on the device and not collected yet.
@@ -315,7 +318,7 @@ class LLMEngine:
         samplers: _Samplers = []
         masks: list[tuple[int, TokenMask]] = []  # (its first row, the mask)
         prompt_logprobs: dict[int, int] = {}
-        book, vocab_size = self.scheduler.slots, self.model_config.vocab_size
+        book, vocab_size = self.slots, self.model_config.vocab_size
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             request = seq.request
@@ -478,7 +481,7 @@ class LLMEngine:
             if seq.is_finished:  # a stop string, EOS or its length: nothing computes them
                 return events
         if appended and seq.slot is not None:  # the device's copy (a waiting one has none)
-            self.scheduler.slots.write_tokens(seq.slot, seq.num_tokens - len(appended), appended)
+            self.slots.write_tokens(seq.slot, seq.num_tokens - len(appended), appended)
         return events
 
     def _roll_back(self, seq: Sequence, tokens: list[int], proposed: list[int]) -> int:
@@ -492,7 +495,7 @@ class LLMEngine:
         seq.num_tokens -= rejected
         seq.num_computed_tokens -= rejected
         self.block_manager.shrink(seq.block_table, seq.num_tokens)
-        self.scheduler.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
+        self.slots.sync_blocks(seq.slot, seq.block_table.block_ids)
         return accepted + 1
 
     def _append_token(

@@ -1,7 +1,7 @@
 """Runs one step on the model: a StepPlan of arrays -> forward -> logits -> samples.
 
 The runner owns what lives on the device, the KV pool (layout: engine/attention/base.py)
-and the persistent batch's tables (engine/batch.py), and knows nothing of requests.
+and the persistent batch's tables (engine/core/batch.py), and knows nothing of requests.
 forward() uploads a StepPlan's arrays in one asynchronous copy, applies its changes to the
 tables, and replays a CUDA graph (a decode step) or runs the model eagerly; sample()
 queues the sampler (under token masks, when given, filled meanwhile), which writes its
@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.batch import BatchChanges, DeviceBatch
-from engine.cuda_graphs import CudaGraphRunner
+from engine.core.batch import BatchChanges, DeviceBatch
+from engine.core.cuda_graphs import CudaGraphRunner
+from engine.core.sampler import Sampler, SamplingRows, prompt_logprobs
+from engine.core.transfer import upload
 from engine.model.config import ModelConfig
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplingRows, prompt_logprobs
-from engine.transfer import upload
 
 # A sequence computing a few tokens in one step (those a grammar forced, a proposer's
 # guesses, a short prompt) runs in a CUDA graph as that many decode rows, each attending to

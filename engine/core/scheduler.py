@@ -1,13 +1,13 @@
 """Iteration-level continuous batching under a token budget.
 
-Each step takes, in this order, until the token budget (engine/step_budget.py:
+Each step takes, in this order, until the token budget (engine/core/step_budget.py:
 max_num_batched_tokens, on the CPU no more than a step of target_step_seconds holds) or
 the sequence cap (max_num_seqs) runs out: running decodes (one token, or one and its proposed
 tokens), then running prefills chunked in an earlier step, both by priority; then waiting
 sequences (new or preempted) by priority, FCFS among equals, from their longest cached
 prefix, a request's later candidates once its first has the prompt computed or ended
 (Sequence.waits_for_prompt). An admitted sequence holds a slot of the persistent batch
-(engine/batch.py) until it is preempted or removed.
+(engine/core/batch.py) until it is preempted or removed.
 
 A chunk that needs KV blocks the pool does not have preempts the lowest-priority,
 latest-arrived running sequence not scheduled this step (by recompute: its blocks are freed
@@ -21,11 +21,11 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from engine.batch import SlotBook
 from engine.config import SchedulerConfig
+from engine.core.batch import SlotBook
+from engine.core.request import Sequence, SequenceStatus
+from engine.core.step_budget import StepBudget
 from engine.kv.block_manager import BlockManager
-from engine.request import Sequence, SequenceStatus
-from engine.step_budget import StepBudget
 
 
 @dataclass

@@ -38,11 +38,11 @@ import time
 from dataclasses import dataclass, field
 
 from engine.attention.flashinfer_backend import TENSOR_CORE_MIN_BATCH
-from engine.constraints import Constraint
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import EngineError
 from engine.outputs import FinishReason
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured.constraints import Constraint
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from engine.errors import ValidationError
 from engine.sampling_params import check_count, check_prompt_length
 from engine.stats import EngineInfo
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from engine.tool_use import ToolUse, template_messages
 
 # Messages in one chat prompt. Each renders to a few tokens at least, so more cannot fit

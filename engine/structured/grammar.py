@@ -1,4 +1,4 @@
-"""Constraints (engine/constraints.py) as token masks, with llguidance.
+"""Constraints (engine/structured/constraints.py) as token masks, with llguidance.
 
 GrammarCompiler turns a constraint into a grammar for the engine's tokenizer on threads of
 its own (llguidance releases the interpreter lock while it builds one), so neither the
@@ -11,7 +11,7 @@ schemas costs constrained requests a wait and a retry, never the server, and nev
 answer that blames a simple schema.
 
 A compiled constraint is a matcher at its start; each candidate gets a copy of its own
-(GrammarMask, a TokenMask of engine/request.py) that fills the candidate's row of the
+(GrammarMask, a TokenMask of engine/core/request.py) that fills the candidate's row of the
 step's bitmask and advances on each sampled token. JSON is generated compactly (one space
 after ',' and ':', no free whitespace), which keeps a small model from filling max_tokens
 with blank lines.
@@ -57,11 +57,11 @@ import llguidance.numpy
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
-from engine.constraints import Constraint
+from engine.core.request import TokenMask
 from engine.errors import EngineOverloaded, ValidationError
-from engine.request import TokenMask
 from engine.stats import GRAMMAR_BUILD_SECONDS_BOUNDS, GrammarStats
-from engine.tokenizer import Tokenizer
+from engine.structured.constraints import Constraint
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -333,21 +333,22 @@ class GrammarMask:
 
 def start_filling(masks: Sequence[tuple[int, TokenMask]], rows: int, vocab_size: int) -> MaskFill:
     """Token masks as an int32 [rows, ceil(vocab_size / 32)] of all ones but row `row` of
-    each (row, mask), which the mask fills. The grammar masks fill together on llguidance's
-    threads (those marked to fill alone, each alone: _MaskFiller), beside the caller, which
-    goes on at once; any other mask is filled here, in turn."""
+    each (row, mask), which the mask fills. The grammar masks (those with a matcher: each a
+    GrammarMask) fill together on llguidance's threads (those marked to fill alone, each
+    alone: _MaskFiller), beside the caller, which goes on at once; any other mask is filled
+    here, in turn."""
     fill = MaskFill(np.full((rows, -(-vocab_size // 32)), -1, dtype=np.int32))
     together, alone = [], []  # (matcher, row), (mask, row)
     try:
         for row, mask in masks:
-            if isinstance(mask, GrammarMask):
-                fill.grammars.append((mask, row))
-                if mask.fill_alone:
-                    alone.append((mask, row))
-                else:
-                    together.append((mask.matcher, row))
-            else:
+            if mask.matcher is None:
                 mask.fill_next(fill.allowed[row])
+                continue
+            fill.grammars.append((mask, row))
+            if mask.fill_alone:
+                alone.append((mask, row))
+            else:
+                together.append((mask.matcher, row))
     except Exception as exc:  # a fault of one step's masks, the caller's to report
         fill.error = exc
         return fill

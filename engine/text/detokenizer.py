@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 # How many prompt tokens give the first output tokens their left context.
 _PROMPT_CONTEXT_TOKENS = 5

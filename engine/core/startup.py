@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphRunner, graph_batch_sizes, graph_memory_reserve
-from engine.kernel_cache import apply_kernel_cache_dir
+from engine.core.cuda_graphs import CudaGraphRunner, graph_batch_sizes, graph_memory_reserve
+from engine.core.kernel_cache import apply_kernel_cache_dir
+from engine.core.runner import ModelRunner
 from engine.kv.pool import allocate_kv_pool, kv_bytes_per_block, num_kv_blocks
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model_store import resolve_model
-from engine.runner import ModelRunner
 from engine.stats import EngineInfo, StartupTimes
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 Two sources, one `Tokenizer`:
   - an HF directory: tokenizer.json, plus tokenizer_config.json / special_tokens_map.json /
     generation_config.json for the special tokens and chat_template(.jinja|.json) for chat;
-  - a GGUF file: the pipeline is rebuilt from its metadata (engine/gguf_tokenizer.py).
+  - a GGUF file: the pipeline is rebuilt from its metadata (engine/text/gguf_tokenizer.py).
 
-Chat templates render with the model's own jinja2 template (engine/chat_template.py).
+Chat templates render with the model's own jinja2 template (engine/text/chat_template.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.chat_template import compile_chat_template
 from engine.errors import ModelLoadError, ValidationError
-from engine.gguf_tokenizer import read_gguf_tokenizer
+from engine.text.chat_template import compile_chat_template
+from engine.text.gguf_tokenizer import read_gguf_tokenizer
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

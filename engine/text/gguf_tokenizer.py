@@ -210,7 +210,7 @@ _GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 @dataclass(frozen=True)
 class GgufTokenizer:
     """What a GGUF file holds of its tokenizer: the rebuilt pipeline and its special tokens,
-    as engine/tokenizer.py's Tokenizer takes them."""
+    as engine/text/tokenizer.py's Tokenizer takes them."""
 
     backend: BackendTokenizer
     vocab_size: int

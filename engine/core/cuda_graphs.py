@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.batch import DeviceBatch
+from engine.core.batch import DeviceBatch
 
 log = logging.getLogger(__name__)
 

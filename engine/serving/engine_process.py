@@ -17,9 +17,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-from engine.async_engine import EngineCore, Failed, LoopOutput, Stop, drain, run_core
 from engine.config import EngineConfig
-from engine.tokenizer import Tokenizer
+from engine.serving.async_engine import EngineCore, Failed, LoopOutput, Stop, run_core, take_inbox
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class EngineProcess(EngineCore):
     name = "engine process"
 
     def __init__(self, config: EngineConfig, warmup: bool = True):
-        """With `warmup`, the child runs engine/warmup.py before it reports ready."""
+        """With `warmup`, the child runs engine/core/warmup.py before it reports ready."""
         context = mp.get_context("spawn")
         self._inbox = context.Queue()
         self._inbox.cancel_join_thread()  # at exit, requests the child never read are moot
@@ -100,12 +100,12 @@ def _child_main(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
     )
-    from engine.engine import LLMEngine  # here, so the parent never builds one by accident
+    from engine.core.engine import LLMEngine  # here, so the parent never builds one by accident
 
     parent = mp.parent_process()
 
     def take(block: bool) -> list:
-        items = drain(requests, block, timeout=LIVENESS_POLL_SECONDS)
+        items = take_inbox(requests, block, timeout=LIVENESS_POLL_SECONDS)
         if not items and block and parent is not None and not parent.is_alive():
             return [Stop()]  # orphaned: free the device
         return items
