@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ValidationError
-from engine.tool_use import TOOL_FORMATS
+from engine.text.tool_use import TOOL_FORMATS
 from service.front_door import MAX_MESSAGE_BYTES
 from service.tls import TlsFiles, check_tls_files
 from service.tracing import TRACE_EXPORTERS
@@ -47,7 +47,7 @@ class ServerConfig:
     health_port: int | None = None
     log_requests: bool = False  # prompts and outputs in the log (logger service.requests)
     # The format the model writes tool calls in: auto (from its chat template) or one of
-    # engine/tool_use.py's TOOL_FORMATS.
+    # engine/text/tool_use.py's TOOL_FORMATS.
     tool_parser: str = "auto"
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from engine.errors import ValidationError
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, check_count
 from engine.text.prompts import PromptEncoder
-from engine.tool_use import ToolUse
+from engine.text.tool_use import ToolUse
 from service.request import GenerationRequest, Prompt
 
 # Prompts in one call (each is an engine request; past the queue's room they get 429),

@@ -17,7 +17,7 @@ from engine.errors import ValidationError
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.request_stream import RequestStream
 from engine.text.prompts import PromptEncoder
-from engine.tool_use import detect_format
+from engine.text.tool_use import detect_format
 from service.convert import EngineInputs, engine_inputs, named_as_sent
 from service.errors import ServiceUnavailable, UnknownModel
 from service.metrics import ServerMetrics

@@ -20,7 +20,7 @@ from typing import Any, get_args, get_type_hints
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_flat
 from engine.errors import ValidationError
-from engine.tool_use import TOOL_FORMATS
+from engine.text.tool_use import TOOL_FORMATS
 from service.config import ServerConfig
 from service.tracing import TRACE_EXPORTERS
 

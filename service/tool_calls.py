@@ -1,6 +1,6 @@
 """Tool calls in what a model writes: its text as content and OpenAI-shaped call deltas.
 
-One parser per call format (engine/tool_use.py's TOOL_FORMATS) reads the text as it
+One parser per call format (engine/text/tool_use.py's TOOL_FORMATS) reads the text as it
 streams, a delta at a time, and says which part is content and which is a call: a call's
 first delta carries its index, id and function name, the later ones the next pieces of its
 arguments' JSON text. A whole answer is assembled from the same deltas (assemble()), so a
@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from engine.outputs import FinishReason
-from engine.tool_use import ToolUse
+from engine.text.tool_use import ToolUse
 
 
 @dataclass

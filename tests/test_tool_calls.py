@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.tool_use import detect_format
+from engine.text.tool_use import detect_format
 from service.tool_calls import (
     HermesParser,
     Llama3JsonParser,

@@ -18,7 +18,7 @@ from engine.errors import ValidationError
 from engine.sampling_params import check_count, check_prompt_length
 from engine.stats import EngineInfo
 from engine.text.tokenizer import Tokenizer
-from engine.tool_use import ToolUse, template_messages
+from engine.text.tool_use import ToolUse, template_messages
 
 # Messages in one chat prompt. Each renders to a few tokens at least, so more cannot fit
 # any context this serves; bounded before a message is copied out of the request.
@@ -88,7 +88,7 @@ class PromptEncoder:
         text that cannot fit the context is refused (naming `field`), and so are more than
         MAX_CHAT_MESSAGES messages. as_dict makes a message the template's dict (the
         template checks what it gets); the tools and the calls in the messages reach the
-        template as engine/tool_use.py's template_messages says."""
+        template as engine/text/tool_use.py's template_messages says."""
         if (text is None) == (messages is None):
             raise ValidationError("prompt", "give exactly one of prompt, messages")
         if text is not None:

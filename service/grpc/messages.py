@@ -23,7 +23,7 @@ from engine.outputs import (
 from engine.sampling_params import check_count
 from engine.structured.constraints import MAX_CHOICES, Constraint
 from engine.text.tokenizer import Tokenizer
-from engine.tool_use import FUNCTION_NAME, MAX_TOOLS
+from engine.text.tool_use import FUNCTION_NAME, MAX_TOOLS
 from pagedserve.v1 import inference_pb2 as pb
 from service.answer import Answer
 from service.convert import SAMPLING_FIELDS, prompt_named

@@ -29,7 +29,7 @@ from engine.errors import ValidationError
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from engine.structured.constraints import MAX_CHOICES, MAX_SPEC_CHARS, Constraint
 from engine.text.prompts import MAX_CHAT_MESSAGES
-from engine.tool_use import FUNCTION_NAME, MAX_TOOLS
+from engine.text.tool_use import FUNCTION_NAME, MAX_TOOLS
 from service.convert import MAX_PROMPTS, SAMPLING_FIELDS, prompt_named
 from service.request import GenerationRequest, Prompt
 

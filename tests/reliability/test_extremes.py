@@ -30,7 +30,7 @@ from engine.text.prompts import MAX_CHAT_MESSAGES
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig
-from service.convert import MAX_PROMPTS
+from service.convert import MAX_PROMPTS, SAMPLING_FIELDS
 from service.grpc.handlers import SERVICE_NAME
 from service.rest.bodies import (
     ChatCompletionRequest,
@@ -83,32 +83,33 @@ def above(low):  # a float field open at low, unbounded above (float32 on the en
 
 
 MAX_TOKENS = 2  # of every request served; the prompt is 4 tokens
-# field -> (where on a GenerateRequest, proto type, legal values, REST float field)
+# field -> (proto type, legal values, REST float field); where each sampling field goes on
+# a GenerateRequest is the converter's SAMPLING_FIELDS
 FIELDS = {
-    "n": ("sampling", "uint32", between(1, MAX_N), False),
-    "temperature": ("sampling", "float", between(0, FLOAT32_MAX), True),
-    "top_k": ("sampling", "int32", between(-1, None), False),
-    "top_p": ("sampling", "float", above(0.0), True),
-    "min_p": ("sampling", "float", between(0, 1), True),
-    "repetition_penalty": ("sampling", "float", above(0.0), True),
-    "presence_penalty": ("sampling", "float", between(-2, 2), True),
-    "frequency_penalty": ("sampling", "float", between(-2, 2), True),
-    "seed": ("sampling", "int64", between(INT64_MIN, INT64), False),
-    "max_tokens": ("stopping", "uint32", between(1, CONTEXT - 4), False),
-    "min_tokens": ("stopping", "uint32", between(0, MAX_TOKENS), False),
-    "logprobs": ("output", "uint32", between(0, MAX_LOGPROBS), False),
-    "prompt_logprobs": ("output", "uint32", between(0, MAX_LOGPROBS), False),
-    "priority": ("", "int32", between(INT32_MIN, INT32), False),
-    "stop_token_ids": ("stopping", "uint32", between(0, TOKENIZER_VOCAB_SIZE - 1), False),
-    "token_ids": ("prompt", "uint32", between(0, TOKENIZER_VOCAB_SIZE - 1), False),
+    "n": ("uint32", between(1, MAX_N), False),
+    "temperature": ("float", between(0, FLOAT32_MAX), True),
+    "top_k": ("int32", between(-1, None), False),
+    "top_p": ("float", above(0.0), True),
+    "min_p": ("float", between(0, 1), True),
+    "repetition_penalty": ("float", above(0.0), True),
+    "presence_penalty": ("float", between(-2, 2), True),
+    "frequency_penalty": ("float", between(-2, 2), True),
+    "seed": ("int64", between(INT64_MIN, INT64), False),
+    "max_tokens": ("uint32", between(1, CONTEXT - 4), False),
+    "min_tokens": ("uint32", between(0, MAX_TOKENS), False),
+    "logprobs": ("uint32", between(0, MAX_LOGPROBS), False),
+    "prompt_logprobs": ("uint32", between(0, MAX_LOGPROBS), False),
+    "priority": ("int32", between(INT32_MIN, INT32), False),
+    "stop_token_ids": ("uint32", between(0, TOKENIZER_VOCAB_SIZE - 1), False),
+    "token_ids": ("uint32", between(0, TOKENIZER_VOCAB_SIZE - 1), False),
 }
 # top_p is at most 1 as well: `above` covers only the open end.
 LEGAL_OVERRIDES = {"top_p": lambda v, floats=True: above(0.0)(v) and v <= 1}
 
 
 def legal(name: str, value) -> bool:
-    check = LEGAL_OVERRIDES.get(name, FIELDS[name][2])
-    return check(value, floats=FIELDS[name][3])
+    check = LEGAL_OVERRIDES.get(name, FIELDS[name][1])
+    return check(value, floats=FIELDS[name][2])
 
 
 @dataclass
@@ -125,16 +126,17 @@ def generate_request(**fields) -> pb.GenerateRequest:
     request.sampling.temperature = 0.0
     request.stopping.max_tokens = MAX_TOKENS
     for name, value in fields.items():
-        part = FIELDS[name][0] if name in FIELDS else "stopping"
         if name == "token_ids":
             del request.token_ids.ids[:]
             request.token_ids.ids.extend(value)
         elif name == "priority":
             request.priority = value
-        elif isinstance(value, list):
-            getattr(getattr(request, part), name).extend(value)
         else:
-            setattr(getattr(request, part), name, value)
+            part, field = SAMPLING_FIELDS[name].grpc.split(".")
+            if isinstance(value, list):
+                getattr(getattr(request, part), field).extend(value)
+            else:
+                setattr(getattr(request, part), field, value)
     return request
 
 
@@ -144,7 +146,7 @@ def chat(count: int, content: str = "", role: str = "user") -> pb.ChatMessages:
 
 def grpc_cases() -> list[Case]:
     cases = []
-    for name, (_, kind, _, _) in FIELDS.items():
+    for name, (kind, _, _) in FIELDS.items():
         for value in GRPC_EXTREMES[kind]:
             refused = None if legal(name, value) else name
             if name == "token_ids":
@@ -192,21 +194,9 @@ CHAT = BASE | {"messages": [{"role": "user", "content": "hi"}]}
 REST_FIELDS = [
     *[
         (name, path, base, name)
-        for name in (
-            "n",
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "seed",
-            "max_tokens",
-            "min_tokens",
-            "priority",
-            "stop_token_ids",
-        )
+        # Each door says these as the engine does; logprobs and prompt ids apart, below.
+        for name in FIELDS
+        if name not in ("logprobs", "prompt_logprobs", "token_ids")
         for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT))
     ],
     ("logprobs", "/v1/completions", COMPLETION, "logprobs"),
