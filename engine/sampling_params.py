@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.errors import ValidationError
@@ -189,17 +190,22 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
     if not isinstance(ids, (list, tuple)):
         raise ValidationError("stop_token_ids", f"must be a list of integers, got {ids!r}")
     check_count("stop_token_ids", len(ids), MAX_STOP_TOKEN_IDS, "ids")
-    high = vocab_size - 1 if vocab_size is not None else None
-    allowed = f"in [0, {high}]" if high is not None else ">= 0"
-    for i, token_id in enumerate(ids):
-        if not _is_int(token_id):
-            raise ValidationError(
-                "stop_token_ids", f"entry {i} must be an integer, got {token_id!r}"
-            )
-        if token_id < 0 or (high is not None and token_id > high):
-            raise ValidationError(
-                "stop_token_ids", f"entry {i} must be a token id {allowed}, got {token_id}"
-            )
+    check_token_ids("stop_token_ids", ids, vocab_size)
+
+
+def check_token_ids(field: str, token_ids: Sequence[object], vocab_size: int | None) -> None:
+    """ValidationError naming the first entry of token_ids that is not a token id: an
+    integer (not a bool) in [0, vocab_size), or >= 0 where the vocabulary is not known. One
+    pass in C over ids that are all good; only a list that fails it is walked in Python."""
+    high = vocab_size if vocab_size is not None else _INT64_MAX + 1
+    if not token_ids or (
+        set(map(type, token_ids)) == {int} and 0 <= min(token_ids) and max(token_ids) < high
+    ):
+        return
+    allowed = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+    for i, t in enumerate(token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < high:
+            raise ValidationError(field, f"token {i} is {t!r}, expected an integer {allowed}")
 
 
 _MASK64 = (1 << 64) - 1

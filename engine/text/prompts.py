@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.errors import ValidationError
-from engine.sampling_params import check_count, check_prompt_length
+from engine.sampling_params import check_count, check_prompt_length, check_token_ids
 from engine.stats import EngineInfo
 from engine.text.tokenizer import Tokenizer
 from engine.text.tool_use import ToolUse, template_messages
@@ -114,18 +114,7 @@ class PromptEncoder:
         if count == 0:
             raise ValidationError("prompt", "must not be empty")
         check_prompt_length(count, self.context, self.bounds)
-        vocab = self.vocab_size
-        # One pass in C over the ids (type(True) is bool, not int); only a prompt that fails
-        # it is walked in Python, to name the first bad id.
-        if set(map(type, token_ids)) != {int} or not (
-            0 <= min(token_ids) and max(token_ids) < vocab
-        ):
-            for i, t in enumerate(token_ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValidationError(
-                        "prompt_token_ids",
-                        f"token {i} is {t!r}, expected an integer in [0, {vocab})",
-                    )
+        check_token_ids("prompt_token_ids", token_ids, self.vocab_size)
         if max_tokens is None:
             return self.context - count
         if count + max_tokens > self.context:

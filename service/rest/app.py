@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from engine.errors import ValidationError
+from engine.sampling_params import check_token_ids
 from service import convert
 from service.errors import (
     INVALID,
@@ -129,10 +130,10 @@ def create_app(
         engine = calls.engine()
         body = await calls.body(request, DetokenizeRequest)
         calls.check_model(body.model)
-        vocab = engine.info.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise api_error(ValidationError("tokens", f"{bad} is not a token id in [0, {vocab})"))
+        try:
+            check_token_ids("tokens", body.tokens, engine.info.vocab_size)
+        except ValidationError as exc:
+            raise api_error(exc) from None
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     return app
