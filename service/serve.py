@@ -11,12 +11,12 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.errors import ModelLoadError, ValidationError
+from engine.model_hub import served_name
 from engine.serving.async_engine import AsyncEngine, EngineThread
 from engine.serving.engine_process import EngineProcess
 from engine.text.prompts import PromptEncoder
@@ -226,7 +226,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         # its KV pool is sized, its graphs are captured and its warm-up runs (engine/core/warmup.py).
         engine = await run_on_own_thread(load_engine, engine_config, config)
         warm_up_doors(engine)
-        model_name = Path(engine.info.model_path).name
+        model_name = served_name(engine.info.model_path)
         await server.set_ready(engine, model_name)
         ready_seconds = time.monotonic() - started
         server.door.metrics.time_to_ready.set(ready_seconds)

@@ -124,7 +124,25 @@ def _setting(
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _setting("engine", "model", "HF model dir, .gguf file or alias; unset: the embedded default"),
+    _setting(
+        "engine",
+        "model",
+        "HF model dir, .gguf file, Hugging Face repo id (org/name[@revision], fetched into the "
+        "hub cache unless there; a local path of the same spelling wins) or alias; unset: the "
+        "embedded default",
+    ),
+    _setting(
+        "engine",
+        "revision",
+        "a repo id's branch, tag or commit (the same as org/name@revision; given both ways, "
+        "they must agree); unset: the repo's default branch",
+    ),
+    _setting(
+        "engine",
+        "download_dir",
+        "the Hugging Face hub cache repo ids are fetched into and looked up in; unset: "
+        "huggingface_hub's own (HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    ),
     _setting("engine", "device", "auto, cpu or cuda[:N]"),
     _setting(
         "engine",
@@ -308,11 +326,14 @@ def toml_literal(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)  # a JSON string is TOML
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, section: str) -> None:
-    """One flag per setting of `section`; a flag not given leaves no attribute (SUPPRESS)."""
+def add_setting_flags(
+    parser: argparse.ArgumentParser, section: str, only: tuple[str, ...] | None = None
+) -> None:
+    """One flag per setting of `section` (those named in `only`, if given); a flag not given
+    leaves no attribute (SUPPRESS)."""
     group = parser.add_argument_group(section)
     for s in SETTINGS:
-        if s.section != section:
+        if s.section != section or (only is not None and s.name not in only):
             continue
         help = f"{s.help} (default {toml_literal(s.default)}; env {s.env})"
         if s.kind is bool:

@@ -14,6 +14,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from service.cli import build_parser, cmd_models_pull
 from service.grpc.handlers import SERVICE_NAME
 from service.settings import read_config_file, resolve_settings
 
@@ -159,6 +161,49 @@ def test_the_pod_reads_the_config_map_the_kustomization_generates(rendered, targ
     volume = next(v for v in pod["volumes"] if v["name"] == "config")
     assert env["PAGEDSERVE_CONFIG"] == f"{mount['mountPath']}/pagedserve.toml"
     assert volume["configMap"]["name"] == one(docs, "ConfigMap")["metadata"]["name"]
+
+
+def readme_patch(marker: str) -> dict:
+    """The Deployment patch of k8s/README.md whose YAML holds `marker`."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (K8S / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if marker in b]
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment"}
+    return deployment | {"metadata": {"name": "pagedserve"}} | yaml.safe_load(block)
+
+
+def env_of(c: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in c["env"] if "value" in e}
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_the_readme_init_container_pulls_what_the_server_reads_offline(tmp_path, target):
+    """k8s/README.md's patch on an overlay: the Deployment still validates, the init
+    container's command is `pagedserve models pull` for the server's model, and both name
+    the same hub cache on the same volume, which the server reads offline."""
+    (tmp_path / "patch.yaml").write_text(yaml.safe_dump(readme_patch('"models", "pull"')))
+    kustomization = {
+        # kustomize takes another kustomization only by a relative path
+        "resources": [os.path.relpath(K8S / "overlays" / target, tmp_path)],
+        "patches": [{"path": "patch.yaml"}],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    deployment = one(render(str(tmp_path)), "Deployment")
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(deployment, version, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (server,) = pod["containers"]
+    init_env, server_env = env_of(init), env_of(server)
+    args = build_parser().parse_args(init["command"][1:])
+    assert init["command"][0] == "pagedserve" and args.func is cmd_models_pull
+    assert resolve_settings(args, init_env).get("model") == server_env["PAGEDSERVE_MODEL"]
+    assert init_env["HF_HUB_CACHE"] == server_env["HF_HUB_CACHE"]
+    assert server_env["HF_HUB_OFFLINE"] == "1" and "HF_HUB_OFFLINE" not in init_env
+    assert "PAGEDSERVE_CONFIG" in server_env  # merged into the overlay's env, not replacing it
+    mounts = [{m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (init, server)]
+    assert mounts[0]["models"] == mounts[1]["models"]
+    assert init_env["HF_HUB_CACHE"].startswith(mounts[0]["models"] + "/")
+    assert "models" in {v["name"] for v in pod["volumes"]}
 
 
 @pytest.mark.parametrize("target", OVERLAYS)

@@ -118,7 +118,6 @@ def test_a_model_that_cannot_load_is_one_error_line_and_exit_2(tmp_path, doors):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         f"pagedserve: error: --model '{missing}' is not a local path (no such file or "
-        "directory) and not a known alias (known: smollm2-135m-instruct). Downloading from "
-        "a model hub is not supported: fetch the model yourself and pass its directory or "
-        ".gguf file."
+        "directory), not a Hugging Face repo id (org/name[@revision]) and not a known alias "
+        "(known: smollm2-135m-instruct)"
     ], done.stderr

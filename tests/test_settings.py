@@ -147,6 +147,8 @@ def test_top_level_log_level_survives_the_subcommand():
 # A valid value unlike the default, for each setting; a new setting must add one here.
 SAMPLES = {
     "model": "/models/m",
+    "revision": "v2",
+    "download_dir": "/var/cache/huggingface/hub",
     "device": "cpu",
     "dtype": "float16",
     "max_model_len": 77,
@@ -362,6 +364,13 @@ def test_env_mistakes(monkeypatch, capsys, name, raw, message):
             "argument --trace-exporter: expected one of none, console, otlp, got 'jaeger'",
         ),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (
+            ["--model", "org/name@v1", "--revision", "v2"],
+            "argument --revision: 'v2' disagrees with the model's own @v1 ('org/name@v1'); "
+            "give it once",
+        ),
+        (["--model", "org/name@"], "argument --model: 'org/name@' has an empty revision after '@'"),
+        (["--download-dir", " "], "argument --download-dir: must not be empty"),
     ],
 )
 def test_flag_mistakes(capsys, argv, message):

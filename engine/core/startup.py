@@ -38,7 +38,7 @@ def start_up(config: EngineConfig) -> EngineParts:
     # Before anything imports triton or flashinfer: both read their cache paths then.
     apply_kernel_cache_dir(config.kernel_cache_dir)
     started = time.monotonic()
-    model_path = resolve_model(config.model)
+    model_path = resolve_model(config.model, config.revision, config.download_dir)
     tokenizer = Tokenizer.from_path(model_path)
     device, dtype = config.torch_device, config.torch_dtype
     if device.type == "cuda":
