@@ -68,7 +68,7 @@ class Generation:
     inputs: EngineInputs
     answer: Answer
     echo_texts: list[str]  # per prompt; "" unless echo
-    stream: bool
+    streamed: bool  # answered as server-sent events
     include_usage: bool
     streams: list[RequestStream] = field(default_factory=list)  # per prompt, once submitted
     created: int = field(default_factory=lambda: int(time.time()))
@@ -201,7 +201,7 @@ class Calls:
                 left = ended is Interrupted.LEFT
                 self._record(gen.path, CLIENT_LEFT if left else UNAVAILABLE, [])
                 return interrupted_response(ended)
-            if gen.stream:
+            if gen.streamed:
                 chunks = self._sse(gen, engine.tokenizer)
                 return EventStream(chunks, self.closing, media_type="text/event-stream")
             answer = self._full_answer(gen, engine.tokenizer)
@@ -214,7 +214,7 @@ class Calls:
 
     async def _submit(self, engine: AsyncEngine, gen: Generation) -> None:
         """Queue every prompt of the call at once (FrontDoor.submit)."""
-        door = "rest_stream" if gen.stream else "rest_unary"
+        door = "rest_stream" if gen.streamed else "rest_unary"
         try:
             gen.streams = await self.door.submit(
                 engine, gen.request, gen.inputs, gen.id, gen.request_ids, door
