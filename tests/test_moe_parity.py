@@ -175,3 +175,31 @@ def test_gguf_moe_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="GGUF mixture-of-experts models are not supported"):
         load_model(path, torch.float32, "cpu", TorchPagedAttention())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_bfloat16_block_matches_transformers(model_type, monkeypatch):
+    """One MoE block in bfloat16, bit for bit, where the dtype the router weights are applied
+    in shows (Mixtral: float32; Qwen3-MoE: the model's dtype). With transformers' matmul:
+    the CPU's linear() takes another library at some row counts, which rounds differently."""
+    monkeypatch.setattr("engine.model.moe.linear", torch.nn.functional.linear)
+    hf_config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
+        num_experts=6, num_local_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=1,
+    )  # fmt: skip
+    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    torch.manual_seed(0)
+    # The modeling file's loop, not the grouped matmul transformers picks by default.
+    reference = transformers.AutoModelForCausalLM.from_config(
+        hf_config, experts_implementation="eager"
+    )
+    block = reference.model.layers[0].mlp
+    for param in block.parameters():
+        param.data.normal_(0.0, 0.3)
+    ours = SparseMoeBlock(config, config.moe)
+    ours.load_state_dict(block.state_dict())
+    block, ours = block.to(torch.bfloat16), ours.to(torch.bfloat16)
+    x = torch.randn(1, 40, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(ours(x[0]), block(x)[0])

@@ -46,15 +46,16 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size))
         self.top_k = moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
+        self.float32_weights = moe.float32_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]): softmax in float32 first, as
-        transformers does, so that the top-k choice does not depend on the dtype's rounding."""
+        """(weights [T, k], expert ids [T, k]): softmax in float32 first, as transformers
+        does, so that the top-k choice does not depend on the dtype's rounding."""
         probs = torch.softmax(linear(x, self.weight), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
+        return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
 
 class Experts(nn.Module):
@@ -73,7 +74,6 @@ class Experts(nn.Module):
             tokens, slot = (experts == expert).nonzero(as_tuple=True)
             hidden = silu_and_mul(linear(x[tokens], self.gate_up_proj[expert]))
             hidden = linear(hidden, self.down_proj[expert])
-            # Weighted in float32 like Mixtral in transformers; exact in float32 either way.
             out.index_add_(0, tokens, (hidden * weights[tokens, slot, None]).to(x.dtype))
         return out
 

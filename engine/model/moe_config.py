@@ -23,6 +23,8 @@ class MoeConfig:
     num_experts_per_tok: int
     moe_intermediate_size: int
     norm_topk_prob: bool  # renormalise the top-k router weights to sum to 1
+    # Mixtral weighs expert outputs in float32; Qwen3-MoE first rounds weights to the dtype.
+    float32_weights: bool
     decoder_sparse_step: int = 1  # every this-many-th layer is sparse
     mlp_only_layers: tuple[int, ...] = ()  # dense regardless of the step
 
@@ -41,6 +43,7 @@ class MoeConfig:
                 num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d["intermediate_size"],
                 norm_topk_prob=True,
+                float32_weights=True,
             )
         elif architecture == "Qwen3MoeForCausalLM":
             # Qwen's checkpoints write num_experts; transformers >= 5 saves num_local_experts.
@@ -52,6 +55,7 @@ class MoeConfig:
                 num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d["moe_intermediate_size"],
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                float32_weights=False,
                 decoder_sparse_step=d.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             )
