@@ -2,6 +2,7 @@
 
 One frozen dataclass covers Llama, Mistral, Qwen2 and Qwen3 (SmolLM is Llama): they differ
 only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings and tied embeddings.
+Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's) add mixture-of-experts MLPs: `moe`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.model.moe_config import MoeConfig
 
 # HF `architectures[0]` -> what the checkpoint needs beyond a plain Llama.
 SUPPORTED_ARCHITECTURES = (
@@ -17,6 +19,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 # For config.json files that name only a model_type.
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -24,7 +28,12 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# Architectures with Qwen3's per-head q/k RMSNorm; with Mistral's sliding window.
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MISTRAL_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over each q and k head before rope (Qwen3)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None  # mixture-of-experts layers (engine/model/moe.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -115,9 +125,10 @@ class ModelConfig:
             max_position_embeddings=_context_length(d, architecture),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in _QK_NORM,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=as_token_ids(d.get("eos_token_id")),
+            moe=MoeConfig.from_hf_config(d, architecture),
         )
 
 
@@ -152,7 +163,7 @@ def _context_length(d: dict[str, Any], architecture: str) -> int:
     """
     max_positions = d.get("max_position_embeddings", 2048)
     window = d.get("sliding_window")
-    uses_window = architecture == "MistralForCausalLM" or d.get("use_sliding_window", False)
+    uses_window = architecture in _MISTRAL_WINDOW or d.get("use_sliding_window", False)
     if uses_window and window:
         return min(max_positions, window)
     return max_positions

@@ -63,6 +63,10 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
         )
+    if _field(reader, f"{arch}.expert_count", 0):  # llama.cpp writes Mixtral as "llama"
+        raise ModelLoadError(
+            "GGUF mixture-of-experts models are not supported; load the safetensors checkpoint"
+        )
     architecture, attention_bias, qk_norm = _ARCHITECTURES[arch]
     hidden_size = _field(reader, f"{arch}.embedding_length")
     num_heads = _field(reader, f"{arch}.attention.head_count")

@@ -1,4 +1,5 @@
-"""One Llama-family decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""One Llama-family decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm);
+with mixture-of-experts MLPs from engine/model/moe.py, Qwen3-MoE and Mixtral.
 
 Plain, device-agnostic torch over a flat varlen batch: every tensor is [T, ...] where T
 is the number of new tokens in the step, across all sequences. Each layer writes its new
@@ -16,6 +17,8 @@ Parameter names follow Hugging Face, except the merged projections:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -167,13 +170,23 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+# (config, layer index) -> that layer's MLP: MoE models mix sparse and dense layers.
+MlpFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
+    return MLP(config)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: AttentionBackend, mlp: nn.Module
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -195,11 +208,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, make_mlp: MlpFactory):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend) for i in range(config.num_layers)
+            DecoderLayer(config, i, backend, make_mlp(config, i)) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -221,10 +234,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        make_mlp: MlpFactory = dense_mlp,  # engine/model/moe.py's layer_mlp for MoE models
+    ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend)
+        self.model = LlamaModel(config, attn_backend, make_mlp)
         # Tied: the LM head reads the embedding matrix; no separate parameter exists.
         self.lm_head = (
             None

@@ -24,9 +24,12 @@ from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig, as_token_ids
 from engine.model.gguf import gguf_model_config, gguf_tensors, open_gguf
 from engine.model.llama import LlamaForCausalLM
+from engine.model.moe import ExpertRows, layer_mlp, moe_checkpoint_pieces
 
 # (checkpoint name, tensor, file it came from)
 NamedTensors = Iterable[tuple[str, torch.Tensor, str]]
+# Where a checkpoint tensor goes in its parameter: all of it (None), rows, or an expert's rows.
+Rows = slice | ExpertRows | None
 
 
 def load_model(
@@ -53,7 +56,7 @@ def load_model(
         named = _read_safetensors(files)
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attn_backend)
+        model = LlamaForCausalLM(config, attn_backend, layer_mlp)
     weights = _load_weights(model, config, named, num_tensors, dtype, device)
     model.load_state_dict(weights, assign=True, strict=True)
     model.to(device)  # moves the rope cache, built on the CPU; weights are already there
@@ -134,7 +137,7 @@ def _load_weights(
                 continue
             raise ModelLoadError(f"unexpected tensor {name!r} in {source}")
         param, rows = pieces[name]
-        expected = shapes[param] if rows is None else (rows.stop - rows.start, *shapes[param][1:])
+        expected = shapes[param] if rows is None else _shape_of(shapes[param], rows)
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
                 f"tensor {name!r} in {source} has shape {tuple(tensor.shape)}, expected {expected}"
@@ -156,19 +159,26 @@ def _load_weights(
     return weights
 
 
+def _shape_of(shape: tuple[int, ...], rows: slice | ExpertRows) -> tuple[int, ...]:
+    """The shape of param[rows], read from a meta tensor (no memory)."""
+    return tuple(torch.empty(shape, device="meta")[rows].shape)
+
+
 def checkpoint_pieces(
     param_shapes: dict[str, tuple[int, ...]], config: ModelConfig
-) -> dict[str, tuple[str, slice | None]]:
+) -> dict[str, tuple[str, Rows]]:
     """Checkpoint tensor name -> (our parameter, its rows in that parameter or None for all)."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     merged = {
         "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
         "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
     }
-    pieces: dict[str, tuple[str, slice | None]] = {}
+    pieces: dict[str, tuple[str, Rows]] = {}
     for param in param_shapes:
         module = param.split(".")[-2]
-        if module in merged:
+        if (moe := moe_checkpoint_pieces(param, config)) is not None:
+            pieces.update(moe)  # stacked experts and the router
+        elif module in merged:
             for part, start, rows in merged[module]:
                 pieces[param.replace(module, part)] = (param, slice(start, start + rows))
         else:

@@ -1,0 +1,122 @@
+"""Mixture-of-experts MLPs for Qwen3-MoE and Mixtral: a router and stacked SwiGLU experts.
+
+A sparse layer replaces the dense MLP of a Llama-family decoder layer (engine/model/llama.py
+takes each layer's MLP from `layer_mlp`). The router scores every token against every expert
+(softmax over experts, then top-k, renormalised where the model does so); each expert is a
+SwiGLU MLP whose weights are stacked at load into [num_experts, ...] tensors:
+    experts.gate_up_proj [E, 2 * moe_intermediate, hidden] = [gate_proj; up_proj] per expert
+    experts.down_proj    [E, hidden, moe_intermediate]
+
+`SparseMoeBlock.forward` is the reference path, on every device: for each expert some token
+chose, gather those tokens, run the expert, scatter-add its output times the router weight.
+It reads the chosen experts back to the host, so it is slow on CUDA and cannot be captured
+in a CUDA graph (startup runs MoE models eagerly); a fused GPU kernel would replace it there.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from engine.kernels import silu_and_mul
+from engine.model.config import ModelConfig
+from engine.model.llama import MLP, linear
+from engine.model.moe_config import MoeConfig
+
+# Checkpoint rows of one expert's projection: (expert, rows) inside our stacked parameter.
+ExpertRows = tuple[int, slice]
+
+# Hugging Face names of one expert's projections, per architecture: gate, up, down.
+_EXPERT_NAMES = {
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+_MOE_PARAM = re.compile(
+    r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.(gate_up_proj|down_proj))"
+)
+
+
+class Router(nn.Module):
+    """Top-k experts per token and their weights."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size))
+        self.top_k = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.float32_weights = moe.float32_weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]): softmax in float32 first, as transformers
+        does, so that the top-k choice does not depend on the dtype's rounding."""
+        probs = torch.softmax(linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float32_weights else weights.to(x.dtype)), experts
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig, moe: MoeConfig):
+        super().__init__()
+        size, inter = config.hidden_size, moe.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, size, inter))
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Reference path: each chosen expert runs once over the tokens that chose it."""
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():  # a host sync: the slow path on CUDA
+            tokens, slot = (experts == expert).nonzero(as_tuple=True)
+            hidden = silu_and_mul(linear(x[tokens], self.gate_up_proj[expert]))
+            hidden = linear(hidden, self.down_proj[expert])
+            out.index_add_(0, tokens, (hidden * weights[tokens, slot, None]).to(x.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, moe: MoeConfig):
+        super().__init__()
+        self.gate = Router(config, moe)  # "gate" is the router's name in both checkpoints
+        self.experts = Experts(config, moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        return self.experts(x, weights, experts)
+
+
+def layer_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
+    """A decoder layer's MLP: sparse where the config says so, else the dense one."""
+    if config.moe is not None and config.moe.is_sparse_layer(layer_index):
+        return SparseMoeBlock(config, config.moe)
+    return MLP(config)
+
+
+def moe_checkpoint_pieces(
+    param: str, config: ModelConfig
+) -> dict[str, tuple[str, ExpertRows | None]] | None:
+    """Checkpoint names feeding one MoE parameter (None for a parameter that is not MoE).
+
+    Each expert's gate/up/down projection is copied into its slot of the stacked tensor;
+    Mixtral names the block `block_sparse_moe` and the projections w1 (gate), w3 (up), w2.
+    """
+    match = _MOE_PARAM.fullmatch(param)
+    if config.moe is None or match is None:
+        return None
+    prefix, tail, stacked = match.groups()
+    block, gate, up, down = _EXPERT_NAMES[config.architecture]
+    if stacked is None:  # the router
+        return {f"{prefix}{block}.{tail}": (param, None)}
+    inter = config.moe.moe_intermediate_size
+    parts = ((gate, slice(0, inter)), (up, slice(inter, 2 * inter)))
+    if stacked == "down_proj":
+        parts = ((down, slice(None)),)
+    return {
+        f"{prefix}{block}.experts.{expert}.{name}.weight": (param, (expert, rows))
+        for expert in range(config.moe.num_experts)
+        for name, rows in parts
+    }
