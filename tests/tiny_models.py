@@ -1,6 +1,6 @@
 """Tiny random-weight Hugging Face model directories for tests (a helper, not a test file).
 
-write_tiny_model(dir, "llama" | "mistral" | "qwen2" | "qwen3", **config_overrides) writes
+write_tiny_model(dir, "llama" | "mistral" | "qwen2" | "qwen3" | "phi3", **config_overrides) writes
 config.json + safetensors (optionally sharded) with a real byte-level BPE tokenizer,
 trained here on a small multilingual corpus, and a ChatML chat template.
 """
@@ -46,6 +46,7 @@ _CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "phi3": "Phi3Config",
 }
 
 

@@ -1,7 +1,8 @@
 """The shape of a Llama-family decoder, read from a Hugging Face config.json (or a GGUF).
 
-One frozen dataclass covers Llama, Mistral, Qwen2 and Qwen3 (SmolLM is Llama): they differ
-only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings and tied embeddings.
+One frozen dataclass covers Llama, Mistral, Qwen2, Qwen3 and Phi-3 (SmolLM is Llama): they
+differ only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings, tied
+embeddings and how the checkpoint names the projections (Phi-3: engine/model/phi3.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.model import phi3
+from engine.model.rope import check_rope_scaling
 
 # HF `architectures[0]` -> what the checkpoint needs beyond a plain Llama.
 SUPPORTED_ARCHITECTURES = (
@@ -17,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    phi3.ARCHITECTURE,
 )
 # For config.json files that name only a model_type.
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -24,6 +28,7 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": phi3.ARCHITECTURE,
 }
 
 
@@ -46,6 +51,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over each q and k head before rope (Qwen3)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    partial_rotary_factor: float = 1.0  # rope over the first part of each head only (Phi-4-mini)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -61,6 +67,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
@@ -99,7 +109,14 @@ class ModelConfig:
 
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        rope_theta, rope_scaling = _read_rope(d)
+        rope_theta, rope_scaling, partial_rotary_factor = _read_rope(d, architecture)
+        rotary_dim = int(head_dim * partial_rotary_factor)
+        # Only Phi-3's attention rotates part of a head; an odd part has no rotate-half.
+        if rotary_dim != head_dim and (architecture != phi3.ARCHITECTURE or rotary_dim % 2):
+            raise ModelLoadError(
+                f"unsupported partial_rotary_factor {partial_rotary_factor} for {architecture}"
+            )
+        check_rope_scaling(rope_scaling, rotary_dim)
         return cls(
             architecture=architecture,
             vocab_size=d["vocab_size"],
@@ -118,6 +135,7 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=as_token_ids(d.get("eos_token_id")),
+            partial_rotary_factor=partial_rotary_factor,
         )
 
 
@@ -130,17 +148,24 @@ def as_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either layout: transformers < 5 writes `rope_theta` and
-    `rope_scaling`; transformers >= 5 writes one `rope_parameters` dict holding both."""
+def _read_rope(d: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, partial_rotary_factor) from either layout: transformers < 5 writes
+    `rope_theta` and `rope_scaling`; transformers >= 5 one `rope_parameters` dict with all."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+    partial = params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
     rope_type = params.get("rope_type", params.get("type"))
     if rope_type in (None, "default"):
-        return float(theta), None
+        return float(theta), None, float(partial)
     params["rope_type"] = rope_type
     params.pop("type", None)
-    return float(theta), params
+    if architecture == phi3.ARCHITECTURE:
+        params = phi3.phi3_rope(params, d)
+    if params["rope_type"] in ("longrope", "yarn") and params.get("factor") is None:
+        # transformers' default: how far max_position_embeddings stretches the original context
+        original = params.get("original_max_position_embeddings") or d["max_position_embeddings"]
+        params["factor"] = d["max_position_embeddings"] / original
+    return float(theta), params, float(partial)
 
 
 def _context_length(d: dict[str, Any], architecture: str) -> int:
@@ -152,7 +177,9 @@ def _context_length(d: dict[str, Any], architecture: str) -> int:
     """
     max_positions = d.get("max_position_embeddings", 2048)
     window = d.get("sliding_window")
-    uses_window = architecture == "MistralForCausalLM" or d.get("use_sliding_window", False)
+    # Mistral and Phi-3 (transformers applies a set sliding_window to both) or Qwen's switch.
+    always_windowed = architecture in ("MistralForCausalLM", phi3.ARCHITECTURE)
+    uses_window = always_windowed or d.get("use_sliding_window", False)
     if uses_window and window:
         return min(max_positions, window)
     return max_positions
