@@ -113,10 +113,49 @@ def test_unsupported_architecture(model_dir: Path):
 
 
 def test_unsupported_rope_scaling(model_dir: Path):
-    edit_config(model_dir, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    edit_config(
+        model_dir, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}
+    )
     with pytest.raises(
-        ModelLoadError, match="unsupported rope_scaling type 'yarn'.*default, linear, llama3"
+        ModelLoadError,
+        match="unsupported rope_scaling type 'dynamic'.*default, linear, llama3, longrope, yarn",
     ):
+        load(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "extrapolation": 2,
+            },
+            "unsupported rope_scaling field 'extrapolation' for rope_type 'yarn'",
+        ),
+        ({"rope_type": "llama3", "factor": 8.0}, "rope_scaling type 'llama3' needs the field"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [1.0] * 7,
+                "original_max_position_embeddings": 32,
+            },
+            "long_factor has 7 values, expected 8",
+        ),
+    ],
+)
+def test_rope_scaling_fields_are_checked(model_dir: Path, scaling: dict, message: str):
+    edit_config(model_dir, rope_parameters={**scaling, "rope_theta": 1e4})
+    with pytest.raises(ModelLoadError, match=message):
+        load(model_dir)
+
+
+def test_partial_rotary_factor_refused(model_dir: Path):
+    edit_config(model_dir, partial_rotary_factor=0.75)
+    with pytest.raises(ModelLoadError, match="unsupported partial_rotary_factor 0.75"):
         load(model_dir)
 
 
@@ -285,6 +324,36 @@ def test_sliding_window_caps_context():
     assert ModelConfig.from_hf_config(qwen2).max_position_embeddings == 2048  # window unused
     qwen2_windowed = {**qwen2, "use_sliding_window": True}
     assert ModelConfig.from_hf_config(qwen2_windowed).max_position_embeddings == 512
+
+
+def test_phi3_hub_config_is_read():
+    """Phi-3-mini-128k's layout: the original context at the top level, no factor, and the
+    older rope type name that transformers reads as longrope."""
+    scaling = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = {
+        **BASE_CONFIG,
+        "architectures": ["Phi3ForCausalLM"],
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_scaling": scaling,
+        "sliding_window": 262144,
+    }
+    config = ModelConfig.from_hf_config(phi3)
+    assert config.rope_scaling == {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 4096,
+        "factor": 32.0,
+    }
+    assert config.max_position_embeddings == 131072  # the window is longer than the context
+    mini_4k = {
+        **phi3,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
+        "sliding_window": 2047,
+    }
+    assert ModelConfig.from_hf_config(mini_4k).max_position_embeddings == 2047
 
 
 def test_generation_config_adds_eos_ids(model_dir: Path):

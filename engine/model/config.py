@@ -1,7 +1,8 @@
 """The shape of a Llama-family decoder, read from a Hugging Face config.json (or a GGUF).
 
-One frozen dataclass covers Llama, Mistral, Qwen2 and Qwen3 (SmolLM is Llama): they differ
-only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings and tied embeddings.
+One frozen dataclass covers Llama, Mistral, Qwen2, Qwen3 and Phi-3 (SmolLM is Llama): they
+differ only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings, tied
+embeddings and how the checkpoint names the projections (Phi-3: engine/model/phi3.py).
 Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's) add mixture-of-experts MLPs: `moe`.
 """
 
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.model import phi3
 from engine.model.moe_config import MoeConfig
+from engine.model.rope import check_rope_scaling
 
 # HF `architectures[0]` -> what the checkpoint needs beyond a plain Llama.
 SUPPORTED_ARCHITECTURES = (
@@ -21,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    phi3.ARCHITECTURE,
 )
 # For config.json files that name only a model_type.
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -30,10 +34,11 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": phi3.ARCHITECTURE,
 }
 # Architectures with Qwen3's per-head q/k RMSNorm; with Mistral's sliding window.
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_MISTRAL_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM")
+_MISTRAL_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM", phi3.ARCHITECTURE)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # mixture-of-experts layers (engine/model/moe.py)
+    partial_rotary_factor: float = 1.0  # rope over the first part of each head only (Phi-4-mini)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -71,6 +77,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
@@ -109,7 +119,14 @@ class ModelConfig:
 
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        rope_theta, rope_scaling = _read_rope(d)
+        rope_theta, rope_scaling, partial_rotary_factor = _read_rope(d, architecture)
+        rotary_dim = int(head_dim * partial_rotary_factor)
+        # Only Phi-3's attention rotates part of a head; an odd part has no rotate-half.
+        if rotary_dim != head_dim and (architecture != phi3.ARCHITECTURE or rotary_dim % 2):
+            raise ModelLoadError(
+                f"unsupported partial_rotary_factor {partial_rotary_factor} for {architecture}"
+            )
+        check_rope_scaling(rope_scaling, rotary_dim)
         return cls(
             architecture=architecture,
             vocab_size=d["vocab_size"],
@@ -129,6 +146,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=as_token_ids(d.get("eos_token_id")),
             moe=MoeConfig.from_hf_config(d, architecture),
+            partial_rotary_factor=partial_rotary_factor,
         )
 
 
@@ -141,17 +159,24 @@ def as_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either layout: transformers < 5 writes `rope_theta` and
-    `rope_scaling`; transformers >= 5 writes one `rope_parameters` dict holding both."""
+def _read_rope(d: dict[str, Any], architecture: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, partial_rotary_factor) from either layout: transformers < 5 writes
+    `rope_theta` and `rope_scaling`; transformers >= 5 one `rope_parameters` dict with all."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+    partial = params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
     rope_type = params.get("rope_type", params.get("type"))
     if rope_type in (None, "default"):
-        return float(theta), None
+        return float(theta), None, float(partial)
     params["rope_type"] = rope_type
     params.pop("type", None)
-    return float(theta), params
+    if architecture == phi3.ARCHITECTURE:
+        params = phi3.phi3_rope(params, d)
+    if params["rope_type"] in ("longrope", "yarn") and params.get("factor") is None:
+        # transformers' default: how far max_position_embeddings stretches the original context
+        original = params.get("original_max_position_embeddings") or d["max_position_embeddings"]
+        params["factor"] = d["max_position_embeddings"] / original
+    return float(theta), params, float(partial)
 
 
 def _context_length(d: dict[str, Any], architecture: str) -> int:
@@ -163,6 +188,8 @@ def _context_length(d: dict[str, Any], architecture: str) -> int:
     """
     max_positions = d.get("max_position_embeddings", 2048)
     window = d.get("sliding_window")
+    # Mistral, Mixtral and Phi-3 (transformers applies a set sliding_window to them) or
+    # Qwen's switch.
     uses_window = architecture in _MISTRAL_WINDOW or d.get("use_sliding_window", False)
     if uses_window and window:
         return min(max_positions, window)

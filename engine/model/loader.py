@@ -25,6 +25,7 @@ from engine.model.config import ModelConfig, as_token_ids
 from engine.model.gguf import gguf_model_config, gguf_tensors, open_gguf
 from engine.model.llama import LlamaForCausalLM
 from engine.model.moe import ExpertRows, layer_mlp, moe_checkpoint_pieces
+from engine.model.phi3 import FUSED_CHECKPOINTS, put_rotary_rows_in_order
 
 # (checkpoint name, tensor, file it came from)
 NamedTensors = Iterable[tuple[str, torch.Tensor, str]]
@@ -58,6 +59,10 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attn_backend, layer_mlp)
     weights = _load_weights(model, config, named, num_tensors, dtype, device)
+    if config.rotary_dim < config.head_dim:
+        put_rotary_rows_in_order(
+            weights, config.head_dim, config.rotary_dim, config.num_heads, config.num_kv_heads
+        )
     model.load_state_dict(weights, assign=True, strict=True)
     model.to(device)  # moves the rope cache, built on the CPU; weights are already there
     return model.eval(), config
@@ -173,6 +178,8 @@ def checkpoint_pieces(
         "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
         "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
     }
+    if config.architecture in FUSED_CHECKPOINTS:
+        merged = {}  # the checkpoint holds our merged parameters as they are
     pieces: dict[str, tuple[str, Rows]] = {}
     for param in param_shapes:
         module = param.split(".")[-2]
