@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face model directories for tests (a helper, not a test file).
 
-write_tiny_model(dir, "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral",
-**config_overrides) writes config.json + safetensors (optionally sharded) with a real
+write_tiny_model(dir, "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" |
+"gemma3_text", **config_overrides) writes config.json + safetensors (optionally sharded) with a real
 byte-level BPE tokenizer, trained here on a small multilingual corpus, and a ChatML chat
 template.
 """
@@ -49,6 +49,7 @@ _CONFIG_CLASSES = {
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "gemma3_text": "Gemma3TextConfig",
 }
 
 

@@ -3,6 +3,7 @@
 One frozen dataclass covers Llama, Mistral, Qwen2 and Qwen3 (SmolLM is Llama): they differ
 only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings and tied embeddings.
 Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's) add mixture-of-experts MLPs: `moe`.
+Gemma 3 (text) keeps its own layer shape in engine/model/gemma3.py: `gemma3`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.model.gemma3_config import GEMMA3_ARCHITECTURE, Gemma3Config
 from engine.model.moe_config import MoeConfig
 
 # HF `architectures[0]` -> what the checkpoint needs beyond a plain Llama.
@@ -21,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    GEMMA3_ARCHITECTURE,
 )
 # For config.json files that name only a model_type.
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -30,9 +33,10 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma3_text": GEMMA3_ARCHITECTURE,
 }
 # Architectures with Qwen3's per-head q/k RMSNorm; with Mistral's sliding window.
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GEMMA3_ARCHITECTURE)
 _MISTRAL_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM")
 
 
@@ -56,6 +60,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # mixture-of-experts layers (engine/model/moe.py)
+    gemma3: Gemma3Config | None = None  # Gemma 3's layers (engine/model/gemma3.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -92,8 +97,9 @@ class ModelConfig:
                 f"unsupported architecture {architecture!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        gemma3 = Gemma3Config.from_hf_config(d, architecture)  # checks its own activation
         hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
+        if gemma3 is None and hidden_act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
         if d.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=true is not supported")
@@ -109,7 +115,10 @@ class ModelConfig:
 
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        rope_theta, rope_scaling = _read_rope(d)
+        if gemma3 is None:
+            rope_theta, rope_scaling = _read_rope(d)
+        else:  # the global layers' rope; the local layers' is in gemma3
+            rope_theta, rope_scaling = gemma3.global_rope_theta, gemma3.global_rope_scaling
         return cls(
             architecture=architecture,
             vocab_size=d["vocab_size"],
@@ -129,6 +138,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=as_token_ids(d.get("eos_token_id")),
             moe=MoeConfig.from_hf_config(d, architecture),
+            gemma3=gemma3,
         )
 
 
