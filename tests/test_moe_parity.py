@@ -94,6 +94,12 @@ def test_logits_match_transformers(tiny_moe):
     """Last-position and all-position logits: prefill, chunked prefill, decode, mixed step."""
     directory, reference = tiny_moe
     model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    check_mixed_step(model, config, reference)
+
+
+def check_mixed_step(model, config, reference) -> None:
+    """Logits of three sequences in one step: a decode, a whole prompt, a prompt's second
+    chunk, each against transformers' over the whole sequence."""
     a, b, c = (prompt_ids(config.vocab_size, n, seed=n) for n in (37, 21, 30))
     runner = PagedRunner(model, config)
     runner.step([(1, b[:20]), (2, c[:13])])  # b then decodes, c prefills its second chunk
@@ -105,7 +111,15 @@ def test_logits_match_transformers(tiny_moe):
 
 
 def test_offline_llm_greedy_matches_transformers(tiny_moe):
-    directory, reference = tiny_moe
+    check_offline_greedy(*tiny_moe)
+
+
+def test_prefix_caching_and_preemption_keep_outputs(tiny_moe):
+    check_prefix_caching_and_preemption(*tiny_moe)
+
+
+def check_offline_greedy(directory, reference) -> None:
+    """The offline LLM's greedy tokens for four prompts of 5 to 31 tokens are transformers'."""
     llm = LLM(str(directory), num_blocks=256, block_size=4)
     vocab = llm.engine.model_config.vocab_size
     prompts = [prompt_ids(vocab, n, seed=20 + n) for n in (5, 12, 19, 31)]
@@ -114,10 +128,9 @@ def test_offline_llm_greedy_matches_transformers(tiny_moe):
         assert output.outputs[0].token_ids == hf_greedy(reference, prompt)
 
 
-def test_prefix_caching_and_preemption_keep_outputs(tiny_moe):
+def check_prefix_caching_and_preemption(directory, reference) -> None:
     """A pool too small for the batch (preemption), shared prefixes (cache hits) and a
     token budget that chunks prompts: the same greedy tokens as transformers."""
-    directory, reference = tiny_moe
     llm = LLM(str(directory), num_blocks=40, block_size=4, max_num_batched_tokens=24)
     vocab = llm.engine.model_config.vocab_size
     shared = prompt_ids(vocab, 20, seed=5)

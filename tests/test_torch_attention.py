@@ -79,16 +79,17 @@ def make_batch(
     return Batch(q, new_k, new_v, kv_cache, meta, full_k, full_v)
 
 
-def store_and_attend(batch: Batch, scale: float) -> torch.Tensor:
+def store_and_attend(batch: Batch, scale: float, window: int | None = None) -> torch.Tensor:
     """A layer's CPU path: the new rows' K/V into the pool, then the backend over the pool."""
     store_kv_torch(batch.k, batch.v, batch.kv_cache, batch.meta.slot_mapping)
-    return TorchPagedAttention().forward(batch.q, batch.kv_cache, batch.meta, scale)
+    return TorchPagedAttention().forward(batch.q, batch.kv_cache, batch.meta, scale, window)
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """q [n, Hq, D] are the last n positions of a sequence whose keys/values are k, v [L, Hkv, D]."""
+    """q [n, Hq, D] are the last n positions of a sequence whose keys/values are k, v [L, Hkv, D];
+    with a window, position p sees keys p - window + 1 to p."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # q head h reads kv head h // group
@@ -96,14 +97,16 @@ def dense_attention(
     n, length = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     query_pos = torch.arange(length - n, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > query_pos, float("-inf"))
+    distance = query_pos - torch.arange(length)[None, :]
+    hidden = (distance < 0) | (distance >= (length if window is None else window))
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def expected_output(batch: Batch, scale: float) -> torch.Tensor:
+def expected_output(batch: Batch, scale: float, window: int | None = None) -> torch.Tensor:
     outputs, start = [], 0
     for k, v, n in zip(batch.full_k, batch.full_v, batch.meta.query_lens.tolist(), strict=True):
-        outputs.append(dense_attention(batch.q[start : start + n], k, v, scale))
+        outputs.append(dense_attention(batch.q[start : start + n], k, v, scale, window))
         start += n
     return torch.cat(outputs)
 
@@ -134,6 +137,18 @@ def test_random_mixed_batches_fp32(seed, block_size, num_q_heads, num_kv_heads):
     out = store_and_attend(batch, SCALE)
     assert out.shape == batch.q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected_output(batch, SCALE), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("window", [1, 7, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_sliding_window_sees_only_the_last_window_keys(seed, window, num_q_heads, num_kv_heads):
+    """Decodes, whole prompts and chunks, shorter and longer than the window, in one step."""
+    cases = random_cases(random.Random(200 + seed)) + [SeqCase(0, 30), SeqCase(20, 1)]
+    batch = make_batch(cases, num_q_heads, num_kv_heads, 5, torch.float32, seed)
+    out = store_and_attend(batch, SCALE, window)
+    expected = expected_output(batch, SCALE, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)

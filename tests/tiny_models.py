@@ -1,9 +1,9 @@
 """Tiny random-weight Hugging Face model directories for tests (a helper, not a test file).
 
 write_tiny_model(dir, "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" |
-"phi3", **config_overrides) writes config.json + safetensors (optionally sharded) with a
-real byte-level BPE tokenizer, trained here on a small multilingual corpus, and a ChatML
-chat template.
+"phi3" | "gemma3_text", **config_overrides) writes config.json + safetensors (optionally
+sharded) with a real byte-level BPE tokenizer, trained here on a small multilingual corpus,
+and a ChatML chat template.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ _CONFIG_CLASSES = {
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
     "phi3": "Phi3Config",
+    "gemma3_text": "Gemma3TextConfig",
 }
 
 

@@ -4,7 +4,9 @@ A step runs one flat "varlen" batch: the new tokens of every scheduled sequence 
 concatenated into T rows. Sequence i owns rows query_start_loc[i] : query_start_loc[i+1].
 Its KV length after this step is seq_lens[i]; the new tokens sit at the end of that
 length, so a query row at offset j of a sequence with q_len new tokens has absolute
-position seq_len - q_len + j and may attend to keys [0, that position] (causal).
+position seq_len - q_len + j and may attend to keys [0, that position] (causal). A
+sliding-window layer passes its window W: that row sees only keys (position - W, position],
+W keys including its own, as transformers' sliding-window mask does.
 
 KV pool, one tensor per layer, flashinfer's NHD paged layout:
     kv_cache[layer]: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
@@ -80,6 +82,8 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     # Whether the backend runs decode steps inside CUDA graphs (prepare_graph first).
     supports_cuda_graphs: bool
+    # Whether forward() takes a sliding window; models with sliding layers check at build.
+    supports_sliding_window: bool
 
     def configure(
         self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -97,6 +101,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # this layer's [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # this layer's sliding window; None = global
     ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
         """Attend causally over kv_cache, which already holds this step's new rows."""
         ...

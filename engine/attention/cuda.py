@@ -17,6 +17,7 @@ from engine.attention.triton_decode import TritonGraphDecode
 
 class CudaAttention:
     supports_cuda_graphs = True
+    supports_sliding_window = False  # neither backend below takes a window yet
 
     def __init__(self, device: torch.device):
         self.eager = FlashInferAttention(device)
@@ -40,6 +41,11 @@ class CudaAttention:
         self._planned.plan(meta)
 
     def forward(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return self._planned.forward(q, kv_cache, meta, scale)
+        return self._planned.forward(q, kv_cache, meta, scale, window)

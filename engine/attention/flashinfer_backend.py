@@ -127,6 +127,9 @@ class FlashInferAttention(EagerOnly):
     """Every step eagerly through flashinfer's wrappers. Build it, load the model with it,
     then configure()."""
 
+    # One plan per step serves every layer, so a per-layer window would need a second one.
+    supports_sliding_window = False
+
     def __init__(self, device: torch.device):
         assert device.type == "cuda", device
         self.device = device
@@ -237,7 +240,9 @@ class FlashInferAttention(EagerOnly):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert window is None, "flashinfer was planned without a sliding window"
         assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
         rows = self._num_decode_rows
         if rows == q.shape[0]:

@@ -14,12 +14,16 @@ query heads that share a KV head are folded into the query-length axis, so SDPA 
 heads of G * q_len query rows each. Every call passes 4-D inputs: on the CPU only those
 take the flash kernel, 3-D ones the much slower math path. Math runs in float32 whatever
 the cache dtype.
+
+A sliding-window layer narrows the same masks to its window (AttentionPlan.for_window);
+it still reads each sequence's whole KV, which is exact (keeping every block is too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,14 @@ class DecodeGroup:
     max_len: int
     key_valid: torch.Tensor  # bool [G, 1, 1, max_len]: False past a sequence's own length
 
+    def windowed(self, window: int) -> DecodeGroup:
+        """The same group where each query sees only its last `window` keys."""
+        if self.max_len <= window:
+            return self
+        lens = self.key_valid.sum(dim=-1, keepdim=True)  # [G, 1, 1, 1]
+        positions = torch.arange(self.max_len, device=lens.device)
+        return dataclasses.replace(self, key_valid=self.key_valid & (positions >= lens - window))
+
 
 @dataclass
 class Prefill:
@@ -49,6 +61,15 @@ class Prefill:
     seq_len: int
     causal: torch.Tensor | None  # bool [q_len, seq_len] after a cached prefix; else None
 
+    def windowed(self, window: int) -> Prefill:
+        """The same rows where each query sees only keys (position - window, position]."""
+        if self.seq_len <= window:  # every key is inside every query's window
+            return self
+        device, first = self.block_table.device, self.seq_len - (self.end - self.start)
+        query_pos = torch.arange(first, self.seq_len, device=device)
+        distance = query_pos[:, None] - torch.arange(self.seq_len, device=device)[None, :]
+        return dataclasses.replace(self, causal=(distance >= 0) & (distance < window))
+
 
 @dataclass
 class AttentionPlan:
@@ -57,9 +78,23 @@ class AttentionPlan:
 
     decode_groups: list[DecodeGroup]
     prefills: list[Prefill]
+    _windowed: dict[int, AttentionPlan] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionPlan:
+        """This step under a sliding window (None: as planned); its masks built once."""
+        if window is None:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = AttentionPlan(
+                [group.windowed(window) for group in self.decode_groups],
+                [prefill.windowed(window) for prefill in self.prefills],
+            )
+        return self._windowed[window]
 
 
 class TorchPagedAttention(EagerOnly):
+    supports_sliding_window = True
+
     def __init__(self) -> None:
         self._plan: AttentionPlan | None = None
         self._planned_for: AttentionMetadata | None = None
@@ -78,10 +113,11 @@ class TorchPagedAttention(EagerOnly):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if self._planned_for is not meta:  # a caller that drives the model without plan()
             self.plan(meta)
-        plan = self._plan
+        plan = self._plan.for_window(window)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
         for group in plan.decode_groups:
             out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)

@@ -21,6 +21,7 @@ from engine.attention.base import AttentionMetadata
 
 class TritonGraphDecode:
     supports_cuda_graphs = True
+    supports_sliding_window = False  # the kernel reads each sequence's whole KV
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -60,8 +61,14 @@ class TritonGraphDecode:
         self._step, self._kv_indices = work, meta.block_table.view(-1)
 
     def forward(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert window is None, "the Triton decode kernel has no sliding window"
         from engine.kernels.decode_attention import paged_decode_attention
 
         return paged_decode_attention(q, kv_cache, self._kv_indices, self._step, scale)

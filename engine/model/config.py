@@ -4,6 +4,7 @@ One frozen dataclass covers Llama, Mistral, Qwen2, Qwen3 and Phi-3 (SmolLM is Ll
 differ only in qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), rope settings, tied
 embeddings and how the checkpoint names the projections (Phi-3: engine/model/phi3.py).
 Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's) add mixture-of-experts MLPs: `moe`.
+Gemma 3 (text) keeps its own layer shape in engine/model/gemma3.py: `gemma3`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 from engine.model import phi3
+from engine.model.gemma3_config import GEMMA3_ARCHITECTURE, Gemma3Config
 from engine.model.moe_config import MoeConfig
 from engine.model.rope import check_rope_scaling
 
@@ -25,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     phi3.ARCHITECTURE,
+    GEMMA3_ARCHITECTURE,
 )
 # For config.json files that name only a model_type.
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -35,9 +38,10 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": phi3.ARCHITECTURE,
+    "gemma3_text": GEMMA3_ARCHITECTURE,
 }
 # Architectures with Qwen3's per-head q/k RMSNorm; with Mistral's sliding window.
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GEMMA3_ARCHITECTURE)
 _MISTRAL_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM", phi3.ARCHITECTURE)
 
 
@@ -62,6 +66,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None  # mixture-of-experts layers (engine/model/moe.py)
     partial_rotary_factor: float = 1.0  # rope over the first part of each head only (Phi-4-mini)
+    gemma3: Gemma3Config | None = None  # Gemma 3's layers (engine/model/gemma3.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -102,8 +107,9 @@ class ModelConfig:
                 f"unsupported architecture {architecture!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        gemma3 = Gemma3Config.from_hf_config(d, architecture)  # checks its own activation
         hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
+        if gemma3 is None and hidden_act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
         if d.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=true is not supported")
@@ -119,7 +125,11 @@ class ModelConfig:
 
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        rope_theta, rope_scaling, partial_rotary_factor = _read_rope(d, architecture)
+        if gemma3 is None:
+            rope_theta, rope_scaling, partial_rotary_factor = _read_rope(d, architecture)
+        else:  # the global layers' rope; the local layers' is in gemma3
+            rope_theta, rope_scaling = gemma3.global_rope_theta, gemma3.global_rope_scaling
+            partial_rotary_factor = 1.0
         rotary_dim = int(head_dim * partial_rotary_factor)
         # Only Phi-3's attention rotates part of a head; an odd part has no rotate-half.
         if rotary_dim != head_dim and (architecture != phi3.ARCHITECTURE or rotary_dim % 2):
@@ -147,6 +157,7 @@ class ModelConfig:
             eos_token_ids=as_token_ids(d.get("eos_token_id")),
             moe=MoeConfig.from_hf_config(d, architecture),
             partial_rotary_factor=partial_rotary_factor,
+            gemma3=gemma3,
         )
 
 

@@ -136,10 +136,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(hidden)
         # Rotated k and v go straight into the pool; only q comes back.
         if self.q_norm is None:
             q = rotary_and_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
@@ -158,6 +155,16 @@ class Attention(nn.Module):
             )
         out = self.backend.forward(q, kv_cache, meta, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v: [T, heads, head_dim] views of the one merged projection."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
 
 
 class MLP(nn.Module):
@@ -246,13 +253,19 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, make_mlp)
+        self.model = self.build_model(config, attn_backend, make_mlp)
         # Tied: the LM head reads the embedding matrix; no separate parameter exists.
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+
+    def build_model(
+        self, config: ModelConfig, attn_backend: AttentionBackend, make_mlp: MlpFactory
+    ) -> nn.Module:
+        """The decoder under the LM head; a family with other layers builds its own."""
+        return LlamaModel(config, attn_backend, make_mlp)
 
     def forward(
         self,

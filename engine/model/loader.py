@@ -1,4 +1,4 @@
-"""Build a LlamaForCausalLM from a Hugging Face directory or a GGUF file.
+"""Build a LlamaForCausalLM (or its Gemma3ForCausalLM) from a Hugging Face directory or a GGUF file.
 
 The module is built on the meta device (no memory), then each checkpoint tensor is
 converted to the target dtype and device as it streams in, and the finished tensors are
@@ -22,6 +22,7 @@ from tqdm import tqdm
 from engine.attention.base import AttentionBackend
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig, as_token_ids
+from engine.model.gemma3 import Gemma3ForCausalLM
 from engine.model.gguf import gguf_model_config, gguf_tensors, open_gguf
 from engine.model.llama import LlamaForCausalLM
 from engine.model.moe import ExpertRows, layer_mlp, moe_checkpoint_pieces
@@ -57,7 +58,10 @@ def load_model(
         named = _read_safetensors(files)
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attn_backend, layer_mlp)
+        if config.gemma3 is not None:
+            model = Gemma3ForCausalLM(config, attn_backend)
+        else:
+            model = LlamaForCausalLM(config, attn_backend, layer_mlp)
     weights = _load_weights(model, config, named, num_tensors, dtype, device)
     if config.rotary_dim < config.head_dim:
         put_rotary_rows_in_order(
