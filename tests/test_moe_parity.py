@@ -10,6 +10,8 @@ step that mixes sequences, whose tokens then share experts.
 from __future__ import annotations
 
 import gguf
+import grpc
+import httpx2 as httpx
 import pytest
 import torch
 import transformers
@@ -21,6 +23,9 @@ from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.moe import SparseMoeBlock
 from engine.sampling_params import SamplingParams
+from pagedserve.v1 import inference_pb2 as pb
+from pagedserve.v1 import inference_pb2_grpc
+from tests.server_process import free_port, running_server
 from tests.test_model_parity import (
     TOLERANCE,
     PagedRunner,
@@ -216,3 +221,29 @@ def test_bfloat16_block_matches_transformers(model_type, monkeypatch):
     x = torch.randn(1, 40, 32).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(ours(x[0]), block(x)[0])
+
+
+def test_served_by_both_doors_as_transformers_answers(tmp_path):
+    """`pagedserve serve` with a MoE checkpoint: gRPC Generate's greedy tokens are
+    transformers', and the REST door answers the same prompt with the same text."""
+    model_type, overrides = TINY_MOE_MODELS["qwen3-moe"]
+    directory = write_tiny_model(tmp_path / "model", model_type, **overrides)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    prompt = prompt_ids(reference.config.vocab_size, 12, seed=7)
+    expected = hf_greedy(reference.eval(), prompt)
+    http_port = free_port()
+    with running_server(directory, "--http-port", str(http_port), "--num-blocks", "64") as server:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingOptions(temperature=0.0),
+                stopping=pb.StoppingOptions(max_tokens=NUM_NEW_TOKENS, ignore_eos=True),
+            )
+            candidate = stub.Generate(request, timeout=60).candidates[0]
+        body = {"prompt": prompt, "max_tokens": NUM_NEW_TOKENS, **GREEDY}
+        completion = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60
+        ).json()
+    assert list(candidate.token_ids) == expected
+    assert completion["choices"][0]["text"] == candidate.text
