@@ -76,7 +76,7 @@ class Generation:
 
     @property
     def path(self) -> str:
-        return GENERATION_PATHS[1] if self.kind == "chat" else GENERATION_PATHS[0]
+        return path_of(self.kind)
 
     @property
     def logprobs(self) -> bool:
@@ -160,7 +160,6 @@ class Calls:
     async def generate(self, request: Request, kind: str) -> Response:
         """A completion (kind "completion") or chat completion ("chat") call."""
         engine = self.engine()
-        path = GENERATION_PATHS[1] if kind == "chat" else GENERATION_PATHS[0]
         try:
             body_type = ChatCompletionRequest if kind == "chat" else CompletionRequest
             body = await self.body(request, body_type)
@@ -168,7 +167,7 @@ class Calls:
             inputs = self.door.convert(engine, call)
         except Exception as exc:
             error = api_error(exc)
-            self._record(path, error.status, [])
+            self._record(path_of(kind), error.status, [])
             raise error from None
         echo = getattr(body, "echo", False)
         # After the ids were checked: decoding one that is not a token id can raise.
@@ -373,6 +372,11 @@ class Calls:
         offsets[index] = offsets.get(index, 0) + len(text)
         finish = gen.finish_reason(index, event.finish_reason) if event.finished else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def path_of(kind: str) -> str:
+    """The route of a call of `kind` ("completion" or "chat"), its name in the metrics."""
+    return GENERATION_PATHS[1] if kind == "chat" else GENERATION_PATHS[0]
 
 
 def _chunk_kind(gen: Generation) -> str:
