@@ -238,6 +238,80 @@ def test_windowed_decode_equals_the_torch_backends_window(target, case):
     assert not torch.allclose(out.float()[-1], whole.float()[-1], atol=5e-2)
 
 
+class GraphDecodeBeside:
+    """Decode steps through TritonGraphDecode (the CUDA-graph decode, run here by the
+    interpreter), every other step through the torch backend: CudaAttention's split with
+    the torch backend for flashinfer."""
+
+    supports_cuda_graphs = False
+    supports_sliding_window = True
+
+    def __init__(self, config) -> None:
+        from engine.attention.torch_backend import TorchPagedAttention
+        from engine.attention.triton_decode import TritonGraphDecode
+
+        self.eager, self.graph_decode = TorchPagedAttention(), TritonGraphDecode("cpu")
+        self.graph_decode.configure(
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            torch.float32,
+            config.attention_scale,
+            config.attention_windows,
+        )
+        self._planned_for = None
+        self.graph_steps = 0
+
+    def forward(self, q, kv_cache, meta, scale, window=None):
+        if self._planned_for is not meta:  # PagedRunner drives the model without plan()
+            self._planned_for, decode = meta, bool((meta.query_lens == 1).all())
+            self._backend = self.graph_decode if decode else self.eager
+            if decode:
+                if meta.num_seqs not in self.graph_decode._work:
+                    self.graph_decode.prepare_graph(meta.num_seqs)
+                self.graph_decode.plan(meta)
+                self.graph_steps += 1
+        return self._backend.forward(q, kv_cache, meta, scale, window)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_decode_attention_in_the_interpreter")
+def test_gemma3_decodes_through_the_graph_decode_in_the_interpreter(monkeypatch, tmp_path):
+    """A tiny Gemma 3 (window 8, a global layer between sliding ones, its own softmax
+    scale): decode steps of two sequences, far past the window, through the graph decode's
+    per-window workspaces give the logits the torch backend gives."""
+    from engine.attention import triton_decode
+    from engine.attention.torch_backend import TorchPagedAttention
+    from engine.model.loader import load_model
+    from tests.test_model_parity import PagedRunner, prompt_ids, rel_error
+    from tests.tiny_models import write_tiny_model
+
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 2)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no CUDA host here
+    s, f = "sliding_attention", "full_attention"
+    directory = write_tiny_model(
+        tmp_path,
+        "gemma3_text",
+        sliding_window=8,
+        num_hidden_layers=3,
+        layer_types=[s, f, s],
+        query_pre_attn_scalar=24,
+    )
+    _, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    runs = {}
+    for name in ("torch", "graph"):
+        backend = TorchPagedAttention() if name == "torch" else GraphDecodeBeside(config)
+        model, config = load_model(directory, torch.float32, "cpu", backend)
+        runner = PagedRunner(model, config)
+        prompts = [prompt_ids(config.vocab_size, 21, seed=1), prompt_ids(config.vocab_size, 5)]
+        runner.step([(0, prompts[0]), (1, prompts[1])])
+        tokens = prompt_ids(config.vocab_size, 2 * 14, seed=2)
+        runs[name] = [runner.step([(0, [a]), (1, [b])]) for a, b in zip(tokens[::2], tokens[1::2])]
+    assert backend.graph_steps == 14
+    for got, want in zip(runs["graph"], runs["torch"], strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert rel_error(g, w) < 1e-4
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_decode_attention_in_the_interpreter() -> None:
     rerun_interpreter_cases(__file__)
