@@ -14,9 +14,10 @@ flashinfer's CSR page tables (page_table below: indptr / last_page_len, and wher
 persistent block table each page's id is), gathers the page ids on the device and plans
 both wrappers; each layer's forward() then only launches kernels. flashinfer takes a
 sliding window and the softmax scale at plan time, so there is one set of wrappers per
-window the model's layers have (Gemma 3: its sliding window and None), each planned
-every step on the same page tables, and forward() runs the set of its layer's window. Decode steps in
-CUDA graphs run engine/attention/triton_decode.py instead (engine/attention/cuda.py picks).
+window the model's layers have (Gemma 3: its sliding window and None), each planned every
+step on the same page tables, and forward() runs the set of its layer's window. Decode
+steps in CUDA graphs run engine/attention/triton_decode.py instead
+(engine/attention/cuda.py picks).
 
 flashinfer is imported only when the backend is configured, so this module imports (and
 its planning math is tested) on machines without it.
@@ -135,7 +136,9 @@ def split_step(
 class WindowWrappers:
     """flashinfer's wrappers for the layers of one sliding window (or of none)."""
 
-    def __init__(self, flashinfer: Any, workspace: torch.Tensor, window: int | None, kinds):
+    def __init__(
+        self, flashinfer: Any, workspace: torch.Tensor, window: int | None, kinds: set[bool]
+    ):
         self.window_left = window_left(window)
         # Eager decode wrappers by kernel (tensor cores or not, `kinds`), picked per step.
         self.eager_decode = {
@@ -208,31 +211,31 @@ class FlashInferAttention(EagerOnly):
         indices_gpu = meta.block_table.view(-1)[page_index]
         self._num_decode_rows = pages.num_decodes
         tensor_cores = self._tensor_cores(pages.num_decodes)
-        if pages.num_decodes:
-            decode_indptr = _pinned(pages.decode_indptr)
-            decode_last_page_len = _pinned(pages.decode_last_page_len)
-        if pages.num_prefills:
-            first_page = int(pages.decode_indptr[-1])
-            prefill_qo_indptr = _pinned(pages.prefill_qo_indptr)
-            prefill_indptr = _pinned(pages.prefill_indptr)
-            prefill_last_page_len = _pinned(pages.prefill_last_page_len)
         for wrappers in self._wrappers.values():
             wrappers.decode = wrappers.eager_decode[tensor_cores]
-            if pages.num_decodes:
+        if pages.num_decodes:
+            indptr = _pinned(pages.decode_indptr)
+            last_page_len = _pinned(pages.decode_last_page_len)
+            for wrappers in self._wrappers.values():
                 self._plan_decode(
                     wrappers.decode,
-                    decode_indptr,
+                    indptr,
                     indices_gpu,
-                    decode_last_page_len,
+                    last_page_len,
                     meta.block_size,
                     wrappers.window_left,
                 )
-            if pages.num_prefills:
+        if pages.num_prefills:
+            first_page = int(pages.decode_indptr[-1])
+            qo_indptr = _pinned(pages.prefill_qo_indptr)
+            indptr = _pinned(pages.prefill_indptr)
+            last_page_len = _pinned(pages.prefill_last_page_len)
+            for wrappers in self._wrappers.values():
                 wrappers.prefill.plan(
-                    prefill_qo_indptr,
-                    prefill_indptr,
+                    qo_indptr,
+                    indptr,
                     indices_gpu[first_page:],
-                    prefill_last_page_len,
+                    last_page_len,
                     self.num_qo_heads,
                     self.num_kv_heads,
                     self.head_dim,
