@@ -246,7 +246,7 @@ class GraphDecodeBeside:
     supports_cuda_graphs = False
     supports_sliding_window = True
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, batch_size: int) -> None:
         from engine.attention.torch_backend import TorchPagedAttention
         from engine.attention.triton_decode import TritonGraphDecode
 
@@ -259,6 +259,7 @@ class GraphDecodeBeside:
             config.attention_scale,
             config.attention_windows,
         )
+        self.graph_decode.prepare_graph(batch_size)  # every decode step's
         self._planned_for = None
         self.graph_steps = 0
 
@@ -267,8 +268,6 @@ class GraphDecodeBeside:
             self._planned_for, decode = meta, bool((meta.query_lens == 1).all())
             self._backend = self.graph_decode if decode else self.eager
             if decode:
-                if meta.num_seqs not in self.graph_decode._work:
-                    self.graph_decode.prepare_graph(meta.num_seqs)
                 self.graph_decode.plan(meta)
                 self.graph_steps += 1
         return self._backend.forward(q, kv_cache, meta, scale, window)
@@ -299,7 +298,9 @@ def test_gemma3_decodes_through_the_graph_decode_in_the_interpreter(monkeypatch,
     _, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
     runs = {}
     for name in ("torch", "graph"):
-        backend = TorchPagedAttention() if name == "torch" else GraphDecodeBeside(config)
+        backend = (
+            TorchPagedAttention() if name == "torch" else GraphDecodeBeside(config, batch_size=2)
+        )
         model, config = load_model(directory, torch.float32, "cpu", backend)
         runner = PagedRunner(model, config)
         prompts = [prompt_ids(config.vocab_size, 21, seed=1), prompt_ids(config.vocab_size, 5)]
