@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention.flashinfer_backend import page_table, split_step
+from engine.attention.flashinfer_backend import page_table, split_step, window_left
 from engine.config import CacheConfig, EngineConfig
 from engine.core.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes
 from engine.errors import ValidationError
@@ -39,6 +39,13 @@ def gathered(page_index: np.ndarray, block_table: list[list[int]], width: int) -
     """The block ids at page_index in the flat block table, rows padded to width."""
     flat = [b for row in block_table for b in row + [-1] * (width - len(row))]
     return [flat[i] for i in page_index]
+
+
+def test_window_left_counts_the_keys_before_the_query():
+    # flashinfer's query at p sees keys [p - window_left, p]; ours sees (p - W, p].
+    assert window_left(None) == -1
+    assert window_left(1) == 0  # itself alone
+    assert window_left(1024) == 1023
 
 
 def test_page_table_by_hand():

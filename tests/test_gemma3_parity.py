@@ -133,6 +133,17 @@ def test_config_reads_the_older_flat_layout():
     assert config.gemma3.local_rope_theta == 10_000.0
 
 
+def test_backends_are_configured_with_the_models_scale_and_windows():
+    d = gemma3_config_json(query_pre_attn_scalar=24, layer_types=[S, F, S, S])
+    config = ModelConfig.from_hf_config(d)
+    assert config.attention_scale == 24**-0.5  # not head_dim's
+    assert config.attention_windows == (WINDOW, None)  # each distinct one, once
+    qwen = ModelConfig.from_hf_config(
+        transformers.AutoConfig.for_model("qwen3", head_dim=64).to_dict()
+    )
+    assert (qwen.attention_scale, qwen.attention_windows) == (64**-0.5, (None,))
+
+
 @pytest.mark.parametrize(
     "key,value",
     [
@@ -155,7 +166,7 @@ def test_unsupported_global_rope_type_is_named():
 
 
 class NoWindowBackend(TorchPagedAttention):
-    supports_sliding_window = False  # as the CUDA backend
+    supports_sliding_window = False
 
 
 def test_backend_without_sliding_windows_is_refused_at_load(tmp_path):

@@ -86,9 +86,17 @@ class AttentionBackend(Protocol):
     supports_sliding_window: bool
 
     def configure(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float | None = None,  # the softmax scale forward() gets; None: head_dim**-0.5
+        windows: Sequence[int | None] = (None,),  # every window forward() gets; None: global
     ) -> None:
-        """Once, when the model's head shape and dtype are known."""
+        """Once, when the model's head shape and dtype are known (ModelConfig's
+        attention_scale and attention_windows): a backend that plans ahead plans for
+        exactly these."""
         ...
 
     def plan(self, meta: AttentionMetadata) -> None:

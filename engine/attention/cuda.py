@@ -17,7 +17,7 @@ from engine.attention.triton_decode import TritonGraphDecode
 
 class CudaAttention:
     supports_cuda_graphs = True
-    supports_sliding_window = False  # neither backend below takes a window yet
+    supports_sliding_window = True
 
     def __init__(self, device: torch.device):
         self.eager = FlashInferAttention(device)
@@ -25,10 +25,16 @@ class CudaAttention:
         self._planned: AttentionBackend = self.eager
 
     def configure(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
-        self.eager.configure(num_q_heads, num_kv_heads, head_dim, dtype)
-        self.graph_decode.configure(num_q_heads, num_kv_heads, head_dim, dtype)
+        for backend in (self.eager, self.graph_decode):
+            backend.configure(num_q_heads, num_kv_heads, head_dim, dtype, scale, windows)
 
     def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
         return self.graph_decode.graph_workspace_bytes(batch_sizes)

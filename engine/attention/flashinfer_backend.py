@@ -12,8 +12,12 @@ aligns the causal mask bottom-right).
 plan() runs once per step on the host: it turns the step's sequence lengths into
 flashinfer's CSR page tables (page_table below: indptr / last_page_len, and where in the
 persistent block table each page's id is), gathers the page ids on the device and plans
-both wrappers; each layer's forward() then only launches kernels. Decode steps in
-CUDA graphs run engine/attention/triton_decode.py instead (engine/attention/cuda.py picks).
+both wrappers; each layer's forward() then only launches kernels. flashinfer takes a
+sliding window and the softmax scale at plan time, so there is one set of wrappers per
+window the model's layers have (Gemma 3: its sliding window and None), each planned every
+step on the same page tables, and forward() runs the set of its layer's window. Decode
+steps in CUDA graphs run engine/attention/triton_decode.py instead
+(engine/attention/cuda.py picks).
 
 flashinfer is imported only when the backend is configured, so this module imports (and
 its planning math is tested) on machines without it.
@@ -48,6 +52,12 @@ TENSOR_CORE_MIN_BATCH = 64
 def decode_uses_tensor_cores(batch_size: int, group_size: int) -> bool:
     """Which flashinfer decode kernel a step of batch_size sequences runs."""
     return group_size > MAX_CUDA_CORE_GROUP or batch_size >= TENSOR_CORE_MIN_BATCH
+
+
+def window_left(window: int | None) -> int:
+    """flashinfer's form of a sliding window: a query at position p attends keys
+    [p - window_left, p], so W keys is W - 1; -1 is no window."""
+    return -1 if window is None else window - 1
 
 
 @dataclass
@@ -123,40 +133,63 @@ def split_step(
     )
 
 
+class WindowWrappers:
+    """flashinfer's wrappers for the layers of one sliding window (or of none)."""
+
+    def __init__(
+        self, flashinfer: Any, workspace: torch.Tensor, window: int | None, kinds: set[bool]
+    ):
+        self.window_left = window_left(window)
+        # Eager decode wrappers by kernel (tensor cores or not, `kinds`), picked per step.
+        self.eager_decode = {
+            tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=tensor_cores
+            )
+            for tensor_cores in kinds
+        }
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.decode: Any = None  # the eager decode wrapper planned this step
+
+
 class FlashInferAttention(EagerOnly):
     """Every step eagerly through flashinfer's wrappers. Build it, load the model with it,
     then configure()."""
 
-    # One plan per step serves every layer, so a per-layer window would need a second one.
-    supports_sliding_window = False
+    supports_sliding_window = True
 
     def __init__(self, device: torch.device):
         assert device.type == "cuda", device
         self.device = device
 
     def configure(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
-        """Create the wrappers once the model's head shape and dtype are known."""
+        """Create the wrappers once the model's head shape, dtype, softmax scale and
+        windows are known."""
         import flashinfer
 
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.dtype = dtype
-        self.scale = head_dim**-0.5  # what the model passes to forward(); checked there
-        # "Must be initialized to 0 for its first use" (flashinfer); shared by every wrapper,
-        # which is safe because their kernels run one after another on one stream.
+        # What the model passes to forward(); checked there, as the plans bake it in.
+        self.scale = head_dim**-0.5 if scale is None else scale
+        # "Must be initialized to 0 for its first use" (flashinfer); shared by every wrapper
+        # of every window, which is safe because their kernels run one after another on one
+        # stream: it holds a run's split-KV partials only while that run lasts. Each wrapper
+        # keeps its plan in its own int workspace.
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        # Eager decode wrappers by kernel (tensor cores or not), picked per step.
-        self._eager_decode = {
-            tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_tensor_cores=tensor_cores
-            )
-            for tensor_cores in {self._tensor_cores(1), self._tensor_cores(TENSOR_CORE_MIN_BATCH)}
+        kinds = {self._tensor_cores(1), self._tensor_cores(TENSOR_CORE_MIN_BATCH)}
+        self._wrappers = {
+            window: WindowWrappers(flashinfer, self._workspace, window, kinds)
+            for window in dict.fromkeys(windows)
         }
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        # What forward() runs this step: rows [0, num_decode_rows) through self._decode,
-        # the rest through self._prefill.
-        self._decode: Any = None
+        # Rows [0, num_decode_rows) of this step run through a set's decode wrapper, the
+        # rest through its prefill wrapper.
         self._num_decode_rows = 0
         # A wrapper's plan() stages its schedule in one pinned host buffer and copies it to
         # the device asynchronously; with the device running a step ahead (async
@@ -176,33 +209,44 @@ class FlashInferAttention(EagerOnly):
         )
         page_index = _pinned(pages.page_index).to(self.device, non_blocking=True)
         indices_gpu = meta.block_table.view(-1)[page_index]
-        self._decode = self._eager_decode[self._tensor_cores(pages.num_decodes)]
         self._num_decode_rows = pages.num_decodes
+        tensor_cores = self._tensor_cores(pages.num_decodes)
+        for wrappers in self._wrappers.values():
+            wrappers.decode = wrappers.eager_decode[tensor_cores]
         if pages.num_decodes:
-            self._plan_decode(
-                self._decode,
-                _pinned(pages.decode_indptr),
-                indices_gpu,
-                _pinned(pages.decode_last_page_len),
-                meta.block_size,
-            )
+            indptr = _pinned(pages.decode_indptr)
+            last_page_len = _pinned(pages.decode_last_page_len)
+            for wrappers in self._wrappers.values():
+                self._plan_decode(
+                    wrappers.decode,
+                    indptr,
+                    indices_gpu,
+                    last_page_len,
+                    meta.block_size,
+                    wrappers.window_left,
+                )
         if pages.num_prefills:
             first_page = int(pages.decode_indptr[-1])
-            self._prefill.plan(
-                _pinned(pages.prefill_qo_indptr),
-                _pinned(pages.prefill_indptr),
-                indices_gpu[first_page:],
-                _pinned(pages.prefill_last_page_len),
-                self.num_qo_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                meta.block_size,
-                causal=True,
-                sm_scale=self.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                non_blocking=True,
-            )
+            qo_indptr = _pinned(pages.prefill_qo_indptr)
+            indptr = _pinned(pages.prefill_indptr)
+            last_page_len = _pinned(pages.prefill_last_page_len)
+            for wrappers in self._wrappers.values():
+                wrappers.prefill.plan(
+                    qo_indptr,
+                    indptr,
+                    indices_gpu[first_page:],
+                    last_page_len,
+                    self.num_qo_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    meta.block_size,
+                    causal=True,
+                    window_left=wrappers.window_left,
+                    sm_scale=self.scale,
+                    q_data_type=self.dtype,
+                    kv_data_type=self.dtype,
+                    non_blocking=True,
+                )
         self._plan_copied.record()
 
     def _tensor_cores(self, batch_size: int) -> bool:
@@ -215,6 +259,7 @@ class FlashInferAttention(EagerOnly):
         indices: torch.Tensor,  # on the device
         last_page_len: torch.Tensor,
         block_size: int,
+        window_left: int,
     ) -> None:
         # plan() reads indptr and last_page_len on the host and copies them to the device
         # itself (asynchronously, as they are pinned).
@@ -226,6 +271,7 @@ class FlashInferAttention(EagerOnly):
             self.num_kv_heads,
             self.head_dim,
             block_size,
+            window_left=window_left,
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
@@ -242,15 +288,15 @@ class FlashInferAttention(EagerOnly):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        assert window is None, "flashinfer was planned without a sliding window"
         assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
+        wrappers = self._wrappers[window]  # planned for each window configure() was given
         rows = self._num_decode_rows
         if rows == q.shape[0]:
-            return self._decode.run(q, kv_cache)
+            return wrappers.decode.run(q, kv_cache)
         out = torch.empty_like(q)
         if rows:
-            self._decode.run(q[:rows], kv_cache, out=out[:rows])
-        self._prefill.run(q[rows:], kv_cache, out=out[rows:])
+            wrappers.decode.run(q[:rows], kv_cache, out=out[:rows])
+        wrappers.prefill.run(q[rows:], kv_cache, out=out[rows:])
         return out
 
 

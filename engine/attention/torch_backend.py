@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -100,9 +101,15 @@ class TorchPagedAttention(EagerOnly):
         self._planned_for: AttentionMetadata | None = None
 
     def configure(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
-        pass  # it reads the head shape off its inputs
+        pass  # it reads the head shape, scale and window off each forward's inputs
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._plan, self._planned_for = plan_attention(meta), meta

@@ -50,7 +50,9 @@ def start_up(config: EngineConfig) -> EngineParts:
     model, mc = load_model(
         model_path, dtype, device, attn, random_weights=config.load_format == "dummy"
     )
-    attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
+    attn.configure(
+        mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, mc.attention_scale, mc.attention_windows
+    )
     loaded = time.monotonic()
     log.info("model loaded in %.2f s: %s", loaded - started, model_path)
 

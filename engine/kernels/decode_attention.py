@@ -18,6 +18,12 @@ this kernel takes 158 / 162 / 122 / 78 / 44 us a layer against flashinfer's best
 The CUDA-graph decode runs it (engine/attention/triton_decode.py): a DecodeWorkspace
 per captured batch size holds the step's plan at fixed device addresses, and every launch
 covers the workspace's capacity of items, so a graph replays any step's split unchanged.
+
+A sliding-window layer (window W) reads only each sequence's last min(seq_len, W) keys. Its
+layers get a workspace of their own, whose plan splits those window lengths and gives each
+sequence the position its window starts at (kv_starts): the kernel adds it to every
+chunk's token positions, so both kinds of layer replay in one graph with no host work
+between them.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from engine.kernels.triton_kernels import _pdl_options, _pdl_start
 # Chunks never shorter than this many tokens: below it a program's start-up outweighs its
 # reading.
 MIN_CHUNK_TOKENS = 128
+# The most elements of a K (or V) tile a loop step reads: 128 tokens of a 128-wide head.
+MAX_TILE_ELEMENTS = 128 * 128
 
 
 @dataclass(frozen=True)
@@ -47,12 +55,15 @@ class DecodeConfig:
     num_stages: int  # Triton's software pipeline depth for that loop
 
     @staticmethod
-    def for_batch(batch_size: int) -> DecodeConfig:
+    def for_batch(batch_size: int, head_dim: int) -> DecodeConfig:
         # From 64 sequences, 128-token steps and two chunks per SM were fastest at the
-        # workload's busy steps; below it one chunk per SM and 64-token steps.
-        if batch_size >= 64:
-            return DecodeConfig(items_per_sm=2, block_n=128, num_stages=3)
-        return DecodeConfig(items_per_sm=1, block_n=64, num_stages=3)
+        # workload's busy steps (head_dim 128); below it one chunk per SM and 64-token
+        # steps. A wider head takes shorter steps: each pipeline stage's K and V tiles stay
+        # within those measured at 128 (3 stages of 128 x 128 fit the H100's shared memory;
+        # head_dim 256 at 128 tokens would not).
+        items_per_sm, block_n = (2, 128) if batch_size >= 64 else (1, 64)
+        block_n = min(block_n, MAX_TILE_ELEMENTS // triton.next_power_of_2(head_dim))
+        return DecodeConfig(items_per_sm=items_per_sm, block_n=block_n, num_stages=3)
 
 
 @dataclass
@@ -63,6 +74,13 @@ class DecodeSplit:
     item_seq: np.ndarray  # int32 [num_items]: the sequence of each item
     item_chunk: np.ndarray  # int32 [num_items]: its chunk index within the sequence
     item_indptr: np.ndarray  # int32 [B + 1]: sequence i's items are [indptr[i], indptr[i+1])
+
+
+def window_starts(seq_lens: np.ndarray, window: int | None) -> np.ndarray:
+    """The first position each sequence's newest query sees: seq_len - window, or 0."""
+    if window is None:
+        return np.zeros_like(seq_lens)
+    return np.maximum(seq_lens - window, 0).astype(seq_lens.dtype)
 
 
 def decode_split(seq_lens: np.ndarray, target_items: int, granule: int) -> DecodeSplit:
@@ -92,6 +110,7 @@ def _decode_chunk_kernel(
     kv_first_page_ptr,
     kv_indices_ptr,
     seq_lens_ptr,
+    kv_starts_ptr,  # int32 [B]: each sequence's first position read (its window's start)
     item_seq_ptr,
     item_chunk_ptr,
     split_ptr,  # int32 [2]: number of items, chunk length in tokens
@@ -119,7 +138,8 @@ def _decode_chunk_kernel(
     chunk_tokens = tl.load(split_ptr + 1)
     seq = tl.load(item_seq_ptr + item)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = tl.load(item_chunk_ptr + item) * chunk_tokens
+    kv_start = tl.load(kv_starts_ptr + seq)
+    start = kv_start + tl.load(item_chunk_ptr + item) * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     first_block = tl.load(kv_first_page_ptr + seq)
     _pdl_start(PDL)  # wait for q and the K/V just written; let the merge start launching
@@ -166,7 +186,7 @@ def _decode_chunk_kernel(
     at = heads[:, None] * HEAD_DIM + dims[None, :]
     ok = row_ok[:, None] & dim_ok[None, :]
     num_heads = tl.num_programs(0) * GROUP
-    if (start == 0) & (end == seq_len):  # the whole sequence: the output itself
+    if (start == kv_start) & (end == seq_len):  # all it reads: the output itself
         whole = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + seq * num_heads * HEAD_DIM + at, whole, mask=ok)
     else:
@@ -221,7 +241,8 @@ class DecodeWorkspace:
 
     `plan` (int32) holds a step's whole plan, which host_plan() lays out for one
     copy: where each sequence's first page id is in kv_indices [B + 1] (a CSR indptr, or
-    slot * block_width for rows of a block table), the sequence lengths [B], each sequence's items
+    slot * block_width for rows of a block table), the sequence lengths [B], the position
+    each starts reading at [B] (0, or where its window starts), each sequence's items
     [B + 1], the item count and chunk length [2], then each item's sequence and chunk index
     [capacity each]. The float buffers take the partial results of split sequences."""
 
@@ -233,9 +254,11 @@ class DecodeWorkspace:
         num_sms: int,
         device,
         config: DecodeConfig | None = None,  # DecodeConfig.for_batch's unless given
+        window: int | None = None,  # the layers' sliding window; None: every key
     ) -> None:
         self.batch_size = batch_size
-        self.config = config or DecodeConfig.for_batch(batch_size)
+        self.window = window
+        self.config = config or DecodeConfig.for_batch(batch_size, head_dim)
         self.target_items = self.config.items_per_sm * num_sms
         self.capacity = capacity = batch_size + self.target_items
         self._at = np.cumsum([0, *self._plan_sizes(batch_size, capacity)])
@@ -243,6 +266,7 @@ class DecodeWorkspace:
         (
             self.kv_first_page,
             self.seq_lens,
+            self.kv_starts,
             self.item_indptr,
             self.split,
             self.item_seq,
@@ -255,12 +279,12 @@ class DecodeWorkspace:
     def _plan_sizes(batch_size: int, capacity: int) -> list[int]:
         """The lengths of `plan`'s parts, in the docstring's order."""
         b = batch_size
-        return [b + 1, b, b + 1, 2, capacity, capacity]
+        return [b + 1, b, b, b + 1, 2, capacity, capacity]
 
     @classmethod
     def nbytes(cls, batch_size: int, num_q_heads: int, head_dim: int, num_sms: int) -> int:
         """Device memory a workspace of DecodeConfig.for_batch's configuration takes."""
-        capacity = batch_size + DecodeConfig.for_batch(batch_size).items_per_sm * num_sms
+        capacity = batch_size + DecodeConfig.for_batch(batch_size, head_dim).items_per_sm * num_sms
         plan = sum(cls._plan_sizes(batch_size, capacity))
         return 4 * (plan + capacity * num_q_heads * (head_dim + 1))  # + part_out, part_lse
 
@@ -268,17 +292,19 @@ class DecodeWorkspace:
         """The step's `plan`, for sequences of seq_lens tokens whose page ids start at
         kv_indices[first_pages[i]] (the last entry is unread)."""
         assert len(seq_lens) == self.batch_size, (len(seq_lens), self.batch_size)
-        split = decode_split(seq_lens, self.target_items, self.config.block_n)
+        starts = window_starts(seq_lens, self.window)
+        split = decode_split(seq_lens - starts, self.target_items, self.config.block_n)
         num_items = len(split.item_seq)
         assert num_items <= self.capacity, (num_items, self.capacity)
         plan = np.zeros(int(self._at[-1]), dtype=np.int32)
         at = self._at
         plan[at[0] : at[1]] = first_pages
         plan[at[1] : at[2]] = seq_lens
-        plan[at[2] : at[3]] = split.item_indptr
-        plan[at[3] : at[4]] = (num_items, split.chunk_tokens)
-        plan[at[4] : at[4] + num_items] = split.item_seq
-        plan[at[5] : at[5] + num_items] = split.item_chunk
+        plan[at[2] : at[3]] = starts
+        plan[at[3] : at[4]] = split.item_indptr
+        plan[at[4] : at[5]] = (num_items, split.chunk_tokens)
+        plan[at[5] : at[5] + num_items] = split.item_seq
+        plan[at[6] : at[6] + num_items] = split.item_chunk
         return plan
 
 
@@ -312,6 +338,7 @@ def paged_decode_attention(
         work.kv_first_page,
         kv_indices,
         work.seq_lens,
+        work.kv_starts,
         work.item_seq,
         work.item_chunk,
         work.split,

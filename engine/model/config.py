@@ -87,6 +87,20 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale every layer attends with."""
+        if self.gemma3 is not None:
+            return self.gemma3.query_pre_attn_scalar**-0.5
+        return self.head_dim**-0.5
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct sliding windows of the model's layers, None for global ones."""
+        if self.gemma3 is None:
+            return (None,)
+        return tuple(dict.fromkeys(self.gemma3.layer_windows))
+
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
         """Read a parsed config.json. Raises ModelLoadError for anything we cannot run exactly."""

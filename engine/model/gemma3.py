@@ -49,7 +49,6 @@ class Gemma3Attention(Attention):
         window: int | None,
     ):
         super().__init__(config, layer_index, backend)
-        self.scale = config.gemma3.query_pre_attn_scalar**-0.5
         self.window = window
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
@@ -142,8 +141,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         assert config.gemma3 is not None, "a Gemma 3 config"
         if not attn_backend.supports_sliding_window:
             raise ModelLoadError(
-                f"Gemma 3 needs sliding-window attention and its own softmax scale, which "
-                f"{type(attn_backend).__name__} does not support yet; run it on the CPU"
+                f"Gemma 3 needs sliding-window attention, which "
+                f"{type(attn_backend).__name__} does not support"
             )
         super().__init__(config, attn_backend)
         self.softcap = config.gemma3.final_logit_softcapping

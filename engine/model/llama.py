@@ -116,7 +116,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
