@@ -176,7 +176,14 @@ def teacher_forced_logits(
     prefix, decodes before a prefill (the scheduler's order) and one after it."""
     attn = CudaAttention(torch.device(device)) if device == "cuda" else TorchPagedAttention()
     model, config = load_model(model_dir, dtype, device, attn)
-    attn.configure(config.num_heads, config.num_kv_heads, config.head_dim, dtype)
+    attn.configure(
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        config.attention_scale,
+        config.attention_windows,
+    )
     length = len(tokens[0])
     pages = -(-length // BLOCK_SIZE)
     order = torch.randperm(2 * pages + 1, generator=torch.Generator().manual_seed(0)).tolist()

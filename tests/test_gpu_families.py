@@ -8,7 +8,6 @@ head size flashinfer builds kernels for.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from tests.test_gpu import (
     gpu_llm,
     greedy,
     random_prompts,
+    release_gpu_memory,  # noqa: F401 (autouse: each test's engines go before the next)
     teacher_forced_logits,
 )
 from tests.tiny_models import TOKENIZER_VOCAB_SIZE, write_tiny_model
@@ -89,13 +89,6 @@ def family_dir(request, tmp_path_factory) -> Path:
     model_type, overrides = FAMILIES[request.param]
     directory = write_tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
     return at_unit_gain(directory)
-
-
-@pytest.fixture(autouse=True)
-def release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def test_bf16_gpu_tracks_float32_cpu_teacher_forced(family_dir):
