@@ -8,10 +8,10 @@ grouped GEMM runs every expert at once. Two implementations of the two GEMMs:
 - `triton_experts`: our Triton kernel. Each expert's rows are padded to the kernel's
   BLOCK_M (`pad_groups`), so every program's BLOCK_M rows belong to one expert and it reads
   that expert's weight tile only; padding rows are marked invalid and never loaded or
-  stored. The worst-case padded size, T*k + min(E, T*k) * (BLOCK_M - 1), is fixed by T,
-  so the grid is too; programs past the last expert's rows return at once. The first
-  GEMM gathers the token rows itself (row = pair // k), the second multiplies each output
-  row by its router weight.
+  stored. The worst-case padded size, T*k + min(E, T*k) * (BLOCK_M - 1) rounded down to a
+  multiple of BLOCK_M, is fixed by T, so the grid is too; programs past the last expert's
+  rows return at once. The first GEMM gathers the token rows itself (row = pair // k),
+  the second multiplies each output row by its router weight.
 - `grouped_mm_experts`: torch._grouped_mm over the gathered rows with the per-expert
   cumulative row counts as offsets (torch >= 2.8; on CUDA it needs sm90 and bf16, and
   strides that are multiples of 16 bytes: `grouped_mm_fits`).
@@ -74,8 +74,10 @@ def group_by_expert(experts: torch.Tensor, num_experts: int) -> Grouping:
 
 
 def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows after padding each expert to block_m, at worst: only experts with rows pad."""
-    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    """Rows after padding each expert to block_m, at worst: only experts with rows pad, by
+    at most block_m - 1 each, and the padded total is a multiple of block_m."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return bound // block_m * block_m
 
 
 def pad_groups(
