@@ -37,8 +37,9 @@ LAYERS = {
 }
 DECODE_ROWS = [1, 4, 32, 256]
 PREFILL_ROWS = [2048]
-# Norm-wise error against float32 of one bf16 layer; the reference path in bf16 lands
-# near 0.3%, so 1% leaves room for a different summation order and nothing more.
+# Norm-wise error of one bf16 layer against float32 (of the same bf16 inputs): measured on
+# the CPU at these shapes, the reference path in bf16 lands near 0.55%, _grouped_mm near
+# 0.4% (its k outputs summed in float32); 1% is a wrong row or expert away from passing.
 MAX_REL_ERROR = 0.01
 
 IMPLEMENTATIONS = {
