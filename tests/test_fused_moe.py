@@ -15,10 +15,14 @@ import torch
 
 from engine.kernels import fused_moe
 from engine.kernels.dispatch import triton_importable
+from engine.llm import LLM
 from engine.model import moe
 from engine.model.moe import Experts
+from engine.sampling_params import SamplingParams
 from tests.test_kernels import INTERPRETED, rerun_interpreter_cases
+from tests.test_model_parity import one_intra_op_thread  # noqa: F401 (autouse: small models)
 from tests.test_triton_linear import interpreter_multiplies_bf16_values  # noqa: F401 (autouse)
+from tests.tiny_models import write_tiny_model
 
 # (tokens, hidden, intermediate, experts, top-k): T = 1; more experts than pairs; partial
 # tile blocks everywhere (hidden 48, intermediate 24 against blocks of 16 and 32).
@@ -133,6 +137,26 @@ def test_fused_dispatch_falls_back_to_grouped_mm_without_triton(monkeypatch):
     monkeypatch.setattr(moe, "triton_experts", lambda *args: pytest.fail("no triton"))
     got = experts.fused(x, weights, ids)
     torch.testing.assert_close(got, experts.reference(x, weights, ids), **TOLERANCE[torch.float32])
+
+
+def test_a_tiny_moe_model_generates_the_same_on_the_fused_path(tmp_path, monkeypatch):
+    """The fused path's glue inside a model (router weights as the model makes them, its
+    activations' layout), through torch._grouped_mm: the Triton kernel needs CUDA or the
+    interpreter, which the cases below run on the kernel alone."""
+    directory = write_tiny_model(tmp_path, "qwen3_moe", num_experts=6, num_experts_per_tok=2)
+    prompts = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 250]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLM(str(directory), num_blocks=64, block_size=4).generate(prompts, params)
+    calls = []
+    grouped_mm_experts = moe.grouped_mm_experts
+    monkeypatch.setattr(moe, "triton_importable", lambda: False)
+    monkeypatch.setattr(
+        moe, "grouped_mm_experts", lambda *a: calls.append(1) or grouped_mm_experts(*a)
+    )
+    monkeypatch.setattr(moe.Experts, "forward", moe.Experts.fused)
+    got = LLM(str(directory), num_blocks=64, block_size=4).generate(prompts, params)
+    assert calls  # the fused path ran, not the reference fallback
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 # ---- the Triton kernel, in the interpreter -------------------------------------------
