@@ -16,8 +16,9 @@ grouped GEMM runs every expert at once. Two implementations of the two GEMMs:
   cumulative row counts as offsets (torch >= 2.8; on CUDA it needs sm90 and bf16, and
   strides that are multiples of 16 bytes: `grouped_mm_fits`).
 
-Between the two GEMMs silu_and_mul; after them each token's k outputs, already weighted,
-are summed in float32 in slot order (deterministic) and rounded once to x's dtype.
+Between the two GEMMs silu_and_mul; after them each token's k outputs, weighted by the
+router in float32, are summed in float32 in slot order (deterministic: no atomics) and
+rounded once to x's dtype.
 Accumulation is float32 throughout. engine/model/moe.py picks one per row count on CUDA;
 the reference path (Experts.forward on the CPU) is what both are tested against.
 """
@@ -101,11 +102,15 @@ def pad_groups(
     return pair_of_row.to(torch.int32), block_expert.to(torch.int32)
 
 
-def combine(pair_out: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T*k, H] weighted expert outputs in pair order -> [T, H]: each token's k summed in
-    float32, in slot order, rounded once."""
-    hidden = pair_out.shape[-1]
-    return pair_out.view(num_tokens, -1, hidden).sum(1, dtype=torch.float32).to(dtype)
+def combine(
+    pair_out: torch.Tensor, num_tokens: int, dtype: torch.dtype, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """[T*k, H] expert outputs in pair order -> [T, H]: each token's k (times `weights`
+    [T, k] where not yet weighted) summed in float32, in slot order, rounded once."""
+    per_token = pair_out.view(num_tokens, -1, pair_out.shape[-1]).float()
+    if weights is not None:
+        per_token = per_token * weights.float().unsqueeze(-1)
+    return per_token.sum(1).to(dtype)
 
 
 # ---- torch._grouped_mm ---------------------------------------------------------------
@@ -145,10 +150,9 @@ def grouped_mm_experts(
     rows = x[g.order // top_k]  # a fresh contiguous copy: row major, 16-byte aligned
     hidden = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=g.ends)
     hidden = torch._grouped_mm(silu_and_mul(hidden), down.transpose(-2, -1), offs=g.ends)
-    scaled = hidden.float() * weights.reshape(-1)[g.order, None].float()
-    pair_out = torch.empty_like(scaled)
-    pair_out[g.order] = scaled  # back to pair order: `order` is a permutation
-    return combine(pair_out, num_tokens, x.dtype)
+    pair_out = torch.empty_like(hidden)
+    pair_out[g.order] = hidden  # back to pair order (`order` is a permutation): exact
+    return combine(pair_out, num_tokens, x.dtype, weights)
 
 
 # ---- the Triton kernel ---------------------------------------------------------------
@@ -178,4 +182,4 @@ def triton_experts(
     pair_out = triton_moe.grouped_gemm(
         silu_and_mul(hidden), down, pair_of_row, block_expert, 1, route, **launch
     )
-    return combine(pair_out, num_tokens, x.dtype)
+    return combine(pair_out, num_tokens, x.dtype, None)
