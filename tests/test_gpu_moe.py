@@ -69,9 +69,9 @@ def float32_reference(gate_up: torch.Tensor, down: torch.Tensor) -> moe.Experts:
     num_experts, hidden, inter = down.shape
     config = SimpleNamespace(hidden_size=hidden)
     moe_config = SimpleNamespace(num_experts=num_experts, moe_intermediate_size=inter)
-    experts = moe.Experts(config, moe_config).requires_grad_(False)
-    experts.gate_up_proj.data = gate_up.float()
-    experts.down_proj.data = down.float()
+    experts = moe.Experts(config, moe_config)
+    experts.gate_up_proj = torch.nn.Parameter(gate_up.float(), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(down.float(), requires_grad=False)
     return experts
 
 
