@@ -2,8 +2,10 @@
 
     python benchmarks/gpu_bench.py --shape qwen3-0.6b --json-out result.json [--compare-transformers]
 
-The model is random bf16 weights of a real model's shape, written to an HF directory by
-this tool (no download needed; speed does not depend on the weights' values).
+The model is random bf16 weights of a real model's shape: this tool writes its config and a
+tokenizer, and the engine draws the weights as it loads (load_format="dummy"), so no
+download and no checkpoint on disk; speed does not depend on the weights' values, except a
+mixture of experts' through its routing, which random weights spread evenly.
 The throughput workload is nano-vllm's: random.seed(0); 256 prompts of randint(100, 1024)
 token ids drawn with randint(0, 10000), then 256 output lengths randint(100, 1024),
 ignore_eos, temperature 0.6 — 142,827 prompt and 133,966 output tokens — run --repeats
@@ -13,7 +15,10 @@ are the median timed run's, each run's is kept, the warm-ups' too.
 The roofline is this workload's time floor on this GPU, measured in the same run: every
 decode step reads the weights once and each running sequence's whole KV; prefill runs at
 the measured matmul rate. floor = decode bytes / copy bandwidth + prefill FLOPs / matmul
-rate, where the copy bandwidth and matmul rate are timed here before the run.
+rate, where the copy bandwidth and matmul rate are timed here before the run. A mixture of
+experts' decode step reads the experts its sequences chose (their expected number under
+even routing) and its prefill multiplies by the chosen experts only; a sliding-window
+layer reads at most its window of KV.
 """
 
 from __future__ import annotations
@@ -50,32 +55,113 @@ class Shape:
     vocab_size: int
     tie_word_embeddings: bool
     max_position_embeddings: int = 32768
+    # A mixture of experts: every layer's MLP is num_experts SwiGLU experts of
+    # moe_intermediate_size, experts_per_token of which run for each token.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    # Sliding-window attention: every global_every-th layer attends to the whole context,
+    # the others to their last sliding_window tokens.
+    sliding_window: int | None = None
+    global_every: int = 1
 
     @property
-    def kv_bytes_per_token(self) -> int:  # bf16 K and V of every layer
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self) -> int:  # bf16 K and V of one layer
+        return 2 * self.num_kv_heads * self.head_dim * 2
 
-    def num_params(self) -> int:
+    @property
+    def num_global_layers(self) -> int:
+        return self.num_layers if self.sliding_window is None else self.num_layers // self.global_every
+
+    def expert_params(self) -> int:
+        """One expert's gate, up and down projections (0 for a dense model)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def shared_params(self) -> int:
+        """Every weight but the experts': each token reads all of them."""
         h, q, kv = (
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
-        if self.model_type == "qwen3":
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h
+        per_layer += self.num_experts * h if self.num_experts else 3 * h * self.intermediate_size
+        if self.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
             per_layer += 2 * self.head_dim  # q_norm, k_norm
+        if self.model_type == "gemma3_text":
+            per_layer += 2 * h  # the pre- and post-feedforward norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
+
+    def num_params(self) -> int:
+        return self.shared_params() + self.num_layers * self.num_experts * self.expert_params()
+
+    def active_params(self) -> int:
+        """The weights one token's forward multiplies by: its chosen experts only."""
+        chosen = self.num_layers * self.experts_per_token * self.expert_params()
+        return self.shared_params() + chosen
+
+    def decode_weight_bytes(self, running: int) -> float:
+        """bf16 bytes a decode step of `running` sequences reads: the shared weights, and in
+        each layer the experts some sequence chose, in expectation under uniform routing
+        (a random model's router): E * (1 - (1 - k/E)^running) distinct experts."""
+        experts = 0.0
+        if self.num_experts:
+            unchosen = (1 - self.experts_per_token / self.num_experts) ** running
+            experts = self.num_experts * (1 - unchosen)
+        return 2 * (self.shared_params() + self.num_layers * experts * self.expert_params())
+
+    def kv_bytes_read(self, prompt_len: int, output_len: int) -> float:
+        """KV bytes a request's decode steps read: output token t reads its prompt and its
+        t earlier outputs in global layers, at most the last sliding_window in the others."""
+        contexts = torch.arange(prompt_len, prompt_len + output_len, dtype=torch.float64)
+        tokens = self.num_global_layers * contexts.sum()
+        if self.sliding_window is not None:
+            sliding = self.num_layers - self.num_global_layers
+            tokens += sliding * contexts.clamp(max=self.sliding_window).sum()
+        return float(tokens) * self.kv_bytes_per_token
 
 
 SHAPES = {
     "qwen3-0.6b": Shape("Qwen3ForCausalLM", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True),
     "smollm2-135m": Shape("LlamaForCausalLM", "llama", 576, 30, 9, 3, 64, 1536, 49152, True, 8192),
+    "qwen3-30b-a3b": Shape(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        2048,
+        48,
+        32,
+        4,
+        128,
+        6144,
+        151936,
+        False,
+        40960,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
+    ),
+    "gemma-3-12b": Shape(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        3840,
+        48,
+        16,
+        8,
+        256,
+        15360,
+        262208,
+        True,
+        131072,
+        sliding_window=1024,
+        global_every=6,
+    ),
 }
 
 
-def write_random_model(shape: Shape, path: Path) -> Path:
-    """An HF directory (config.json, safetensors, tokenizer.json) with random bf16 weights."""
+def write_random_model(shape: Shape, path: Path, weights: bool = True) -> Path:
+    """An HF directory (config.json, tokenizer.json and, unless weights is False, safetensors
+    of random bf16 weights). Without weights the engine loads it with load_format="dummy"."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -83,6 +169,19 @@ def write_random_model(shape: Shape, path: Path) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     config_class = transformers.AutoConfig.for_model(shape.model_type).__class__
+    family: dict = {}
+    if shape.num_experts:
+        family = dict(
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.experts_per_token,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if shape.sliding_window is not None:
+        # Gemma 3's own defaults give the pattern (5 sliding layers, then a global one).
+        family = dict(sliding_window=shape.sliding_window)
     config = config_class(
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
@@ -98,10 +197,14 @@ def write_random_model(shape: Shape, path: Path) -> Path:
         torch_dtype="bfloat16",
         bos_token_id=0,
         eos_token_id=1,
+        **family,
     )
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
+    if weights:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        config.save_pretrained(path)
     vocab = {f"<t{i}>": i for i in range(shape.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -155,15 +258,16 @@ class Roofline:
 def roofline(shape: Shape, work: Workload) -> Roofline:
     """The floor for `work` with every request running at once (the best schedule)."""
     bandwidth, rate = copy_bandwidth(), matmul_rate()
-    weight_bytes = 2 * shape.num_params()
-    steps = max(work.output_lens)  # every decode step reads all weights once
-    # Output token t of a request reads the KV of its prompt and its t earlier outputs.
-    kv_tokens = sum(
-        n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
+    # Decode step s runs the requests with more than s outputs; each step reads the weights
+    # (a mixture of experts: those its sequences chose) once.
+    decode_weight_bytes = sum(
+        shape.decode_weight_bytes(sum(n > step for n in work.output_lens))
+        for step in range(max(work.output_lens))
     )
-    decode_weight_bytes = steps * weight_bytes
-    decode_kv_bytes = kv_tokens * shape.kv_bytes_per_token
-    prefill_flop = 2 * shape.num_params() * work.prompt_tokens
+    decode_kv_bytes = sum(
+        shape.kv_bytes_read(len(p), n) for p, n in zip(work.prompts, work.output_lens, strict=True)
+    )
+    prefill_flop = 2 * shape.active_params() * work.prompt_tokens
     floor = (decode_weight_bytes + decode_kv_bytes) / bandwidth + prefill_flop / rate
     return Roofline(
         round(bandwidth / 1e9, 1),
@@ -195,6 +299,8 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         str(model_dir),
         device="cuda",
         dtype="bfloat16",
+        load_format="dummy",
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
@@ -310,6 +416,12 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="the GPU memory share the engine may use (weights, KV pool, graphs)",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV page (default: the engine's)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
@@ -338,7 +450,10 @@ def main() -> None:
     shape = SHAPES[args.shape]
     work = make_workload(NANO_VLLM_WORKLOAD)
     print(f"workload: {work.describe()}")
-    model_dir = write_random_model(shape, args.model_dir / args.shape)
+    # transformers reads weights from disk; the engine draws its own.
+    model_dir = write_random_model(
+        shape, args.model_dir / args.shape, weights=args.compare_transformers
+    )
     floor = roofline(shape, work)
     print(f"roofline: {asdict(floor)}")
     ours = run_offline(args, model_dir, work)

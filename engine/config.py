@@ -79,6 +79,7 @@ class SchedulerConfig:
 # decodes (a step of 2,048 prompt tokens there: 3.5 s, at much the same rate per token).
 CPU_TARGET_STEP_SECONDS = 0.25
 
+LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,6 +94,10 @@ class EngineConfig:
     download_dir: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (cpu: float32, cuda: bfloat16) | float32 | bfloat16 | float16
+    # auto: the checkpoint's weights. dummy: random weights of the config's shapes, no
+    # checkpoint read (a directory with config.json and a tokenizer is enough): a model's
+    # speed without its gigabytes on disk, for benchmarks.
+    load_format: str = "auto"
     max_model_len: int | None = None  # None = the model's own context length
     engine_seed: int = 0  # seeds the draws for requests that bring no seed
     enforce_eager: bool = False  # CUDA: never replay CUDA graphs (run every step eagerly)
@@ -123,6 +128,10 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValidationError(
                 "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValidationError(
+                "load_format", f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValidationError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")

@@ -18,7 +18,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, get_args, get_type_hints
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_flat
+from engine.config import (
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    engine_config_from_flat,
+)
 from engine.errors import ValidationError
 from engine.text.tool_use import TOOL_FORMATS
 from service.config import ServerConfig
@@ -148,6 +154,13 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
         "dtype",
         "auto (cpu: float32, cuda: bfloat16), float32 (cpu only), bfloat16, float16",
+    ),
+    _setting(
+        "engine",
+        "load_format",
+        "auto: the checkpoint's weights; dummy: random weights of the config's shapes, no "
+        "weights read (benchmarks)",
+        choices=LOAD_FORMATS,
     ),
     _setting("engine", "max_model_len", "context length cap; unset: the model's own"),
     _setting("engine", "engine_seed", "seeds the draws of requests that bring no seed"),

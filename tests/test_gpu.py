@@ -79,13 +79,19 @@ def model_dir(tmp_path_factory) -> Path:
         head_dim=128,
         max_position_embeddings=1024,
     )
+    return at_unit_gain(directory)
+
+
+def at_unit_gain(directory: Path) -> Path:
+    """Rescale a tiny model's weights (std 0.1) to unit gain: std 1/sqrt(fan_in) for
+    projections, unit-variance embeddings."""
     path = directory / "model.safetensors"
     weights = load_file(path)
     for name, weight in weights.items():
         if "embed_tokens" in name:
             weights[name] = weight * 10.0
-        elif weight.dim() == 2:
-            weights[name] = weight * (10.0 / math.sqrt(weight.shape[1]))
+        elif weight.dim() >= 2:
+            weights[name] = weight * (10.0 / math.sqrt(weight.shape[-1]))
     save_file(weights, path, metadata={"format": "pt"})
     return directory
 
@@ -225,18 +231,35 @@ def test_half_precision_gpu_tracks_float32_cpu_teacher_forced(model_dir, dtype):
     tokens = random_prompts(2, seed=3, lo=256, hi=256)
     gpu = teacher_forced_logits(model_dir, "cuda", dtype, tokens)
     cpu = teacher_forced_logits(model_dir, "cpu", torch.float32, tokens)
-    for got, want in zip(gpu, cpu, strict=True):
-        assert got.shape == want.shape == (256, 400)
+    assert_tracks_float32(gpu, cpu, str(dtype), vocab=400)
+
+
+def assert_tracks_float32(
+    gpu: list[torch.Tensor],
+    cpu: list[torch.Tensor],
+    label: str,
+    vocab: int,
+    settled: list[torch.Tensor] | None = None,
+) -> None:
+    """Teacher-forced logits of a half-precision GPU run against the float32 CPU run's:
+    the last position close, the greedy pick the same on >= 99% of the decisive positions
+    and >= 95% of all. `settled` (per sequence, per position) narrows "decisive" further:
+    a mixture of experts' positions whose routing is no near-tie either."""
+    settled = settled or [None] * len(cpu)
+    for got, want, settled_rows in zip(gpu, cpu, settled, strict=True):
+        assert got.shape == want.shape == (want.shape[0], vocab)
         assert torch.isfinite(got).all()
         relative = (got[-1] - want[-1]).norm() / want[-1].norm()
         assert relative < 2e-2, relative
         top2 = want.topk(2, dim=-1).values
         decisive = top2[:, 0] - top2[:, 1] >= NEAR_TIE
+        if settled_rows is not None:
+            decisive &= settled_rows
         agree = got.argmax(-1) == want.argmax(-1)
         # A random-weight model has many near-ties (~1/4 of positions here) where bf16
         # rounding alone flips the pick; everywhere else the GPU must agree.
         print(  # the figures behind the verdict, for the GPU run's log (pytest -s)
-            f"{dtype} vs fp32: last-position rel err {relative:.4f}, top-1 agreement "
+            f"{label} vs fp32: last-position rel err {relative:.4f}, top-1 agreement "
             f"{agree.float().mean():.3f} overall, {agree[decisive].float().mean():.3f} on "
             f"{int(decisive.sum())} decisive positions"
         )

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.kernels import fused_moe
 from engine.model import moe
 from tests.test_gpu import (
     assert_greedy_close,
+    at_unit_gain,
     gpu_llm,
     greedy,
     random_prompts,
@@ -151,8 +151,7 @@ TABLES = {
 
 @pytest.fixture(scope="module", params=list(TINY_MODELS))
 def moe_model_dir(request, tmp_path_factory) -> Path:
-    """A flashinfer-shaped tiny MoE model (head_dim 128) at unit gain, as test_gpu's dense
-    model_dir: the stacked or per-expert projections scaled by 1/sqrt(fan_in)."""
+    """A flashinfer-shaped tiny MoE model (head_dim 128) at unit gain."""
     directory = write_tiny_model(
         tmp_path_factory.mktemp(request.param),
         request.param,
@@ -164,15 +163,7 @@ def moe_model_dir(request, tmp_path_factory) -> Path:
         max_position_embeddings=1024,
         **TINY_MODELS[request.param],
     )
-    path = directory / "model.safetensors"
-    weights = load_file(path)
-    for name, weight in weights.items():
-        if "embed_tokens" in name:
-            weights[name] = weight * 10.0
-        elif weight.dim() >= 2:
-            weights[name] = weight * (10.0 / math.sqrt(weight.shape[-1]))
-    save_file(weights, path, metadata={"format": "pt"})
-    return directory
+    return at_unit_gain(directory)
 
 
 @pytest.mark.parametrize("table", list(TABLES))

@@ -148,6 +148,7 @@ def test_top_level_log_level_survives_the_subcommand():
 SAMPLES = {
     "model": "/models/m",
     "revision": "v2",
+    "load_format": "dummy",
     "download_dir": "/var/cache/huggingface/hub",
     "device": "cpu",
     "dtype": "float16",

@@ -17,6 +17,8 @@
 #   bench-32k           bench with 32,768-token steps
 #   bench-sync          bench with async scheduling off
 #   smollm2             bench on the SmolLM2-135M shape
+#   bench-moe           bench on the Qwen3-30B-A3B shape (128 experts, 8 per token)
+#   bench-gemma3        bench on the Gemma-3-12B shape (sliding-window layers, head_dim 256)
 #   host-overhead       host_overhead.py: the engine's host work per step, on this host's CPU
 #   serving             gRPC at concurrency 256 against offline (serving.py)
 #   serving-cold        the same from an empty kernel cache filled by `pagedserve warmup`,
@@ -123,6 +125,12 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-serving-poisson.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     smollm2) python3 benchmarks/gpu_bench.py --shape smollm2-135m \
         --json-out "$OUT/gpu-smollm2-135m.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    # 61 GB of weights: the engine may take 95% of an 80 GB card, or its KV pool holds
+    # few of the workload's sequences at once.
+    bench-moe) python3 benchmarks/gpu_bench.py --shape qwen3-30b-a3b --gpu-memory-utilization 0.95 \
+        $BENCH_ARGS --json-out "$OUT/gpu-qwen3-30b-a3b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench-gemma3) python3 benchmarks/gpu_bench.py --shape gemma-3-12b $BENCH_ARGS \
+        --json-out "$OUT/gpu-gemma-3-12b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows $LINEAR_ARGS \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured) python3 benchmarks/structured_output.py $STRUCTURED_ARGS \

@@ -47,7 +47,9 @@ def start_up(config: EngineConfig) -> EngineParts:
         attn = CudaAttention(device)
     else:
         attn = TorchPagedAttention()
-    model, mc = load_model(model_path, dtype, device, attn)
+    model, mc = load_model(
+        model_path, dtype, device, attn, random_weights=config.load_format == "dummy"
+    )
     attn.configure(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
     loaded = time.monotonic()
     log.info("model loaded in %.2f s: %s", loaded - started, model_path)

@@ -4,6 +4,10 @@ The module is built on the meta device (no memory), then each checkpoint tensor 
 converted to the target dtype and device as it streams in, and the finished tensors are
 assigned into the module: one copy of the weights ever exists. q/k/v and gate/up are
 copied into slices of their merged parameter as they arrive.
+
+With random_weights no checkpoint tensor is read: every parameter is drawn on the device
+as transformers initialises a model (matrices normal with std 0.02, biases 0, norm
+weights at their neutral value), so a model's speed can be measured from its config alone.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attn_backend: AttentionBackend,
+    random_weights: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     path = Path(path)
     device = torch.device(device)
@@ -53,7 +58,7 @@ def load_model(
         num_tensors = len(reader.tensors)
     else:
         config = read_hf_config(path)
-        files = safetensors_files(path)
+        files = [] if random_weights else safetensors_files(path)
         num_tensors = sum(len(_safetensors_keys(f)) for f in files)
         named = _read_safetensors(files)
 
@@ -62,6 +67,10 @@ def load_model(
             model = Gemma3ForCausalLM(config, attn_backend)
         else:
             model = LlamaForCausalLM(config, attn_backend, layer_mlp)
+    if random_weights:
+        model.load_state_dict(_random_weights(model, config, dtype, device), assign=True)
+        model.to(device)
+        return model.eval(), config
     weights = _load_weights(model, config, named, num_tensors, dtype, device)
     if config.rotary_dim < config.head_dim:
         put_rotary_rows_in_order(
@@ -165,6 +174,23 @@ def _load_weights(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    return weights
+
+
+def _random_weights(
+    model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    # Gemma's norms scale by (1 + w), so their neutral weight is 0; everyone else's is 1.
+    norm_value = 0.0 if config.gemma3 is not None else 1.0
+    generator = torch.Generator(device).manual_seed(0)
+    weights = {}
+    for name, param in model.named_parameters():
+        weight = torch.empty(param.shape, dtype=dtype, device=device)
+        if param.dim() > 1:
+            weight.normal_(0.0, 0.02, generator=generator)
+        else:
+            weight.fill_(norm_value if "norm" in name else 0.0)
+        weights[name] = weight
     return weights
 
 
