@@ -163,6 +163,7 @@ def test_a_tiny_moe_model_generates_the_same_on_the_fused_path(tmp_path, monkeyp
 
 INTERPRETER_TILES = [
     None,  # pick_tiles: decode tiles at these sizes
+    fused_moe.PREFILL_TILES,
     fused_moe.MoeTiles(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1),
 ]
 
