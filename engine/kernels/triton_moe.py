@@ -35,6 +35,7 @@ def _grouped_gemm_kernel(
     k,
     A_DIV: tl.constexpr,
     HAS_ROUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -59,7 +60,7 @@ def _grouped_gemm_kernel(
         k_ok = k0 + offs_k < k
         a = tl.load(a_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_tile + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision="ieee")  # ieee: no tf32 for float32 inputs
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if HAS_ROUTE:
         acc *= tl.load(route_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * n + cols[None, :]
@@ -105,6 +106,8 @@ def grouped_gemm(
         k,
         A_DIV=a_div,
         HAS_ROUTE=route is not None,
+        # float32 models multiply in float32, not tf32; 16-bit inputs ignore it.
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
