@@ -1,7 +1,9 @@
 """The fused MoE path on CUDA (engine/kernels/fused_moe.py): both grouped implementations
 against the reference path at real layer shapes, also captured in CUDA graphs, and tiny
-Qwen3-MoE / Mixtral models that decode in CUDA graphs as they do eagerly.
-Skipped without CUDA; tests/test_fused_moe.py covers the same code on the CPU.
+Qwen3-MoE / Mixtral models that decode in CUDA graphs as they do eagerly with each
+implementation forced everywhere (tests/test_gpu_families.py runs the shipped choice
+against the float32 CPU path). Skipped without CUDA; tests/test_fused_moe.py covers the
+same code on the CPU.
 """
 
 from __future__ import annotations
