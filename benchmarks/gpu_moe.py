@@ -52,7 +52,8 @@ def layer(shape: str) -> Experts:
     num_experts, _, hidden, inter = SHAPES[shape]
     config = SimpleNamespace(hidden_size=hidden)
     moe = SimpleNamespace(num_experts=num_experts, moe_intermediate_size=inter)
-    experts = Experts(config, moe).to(device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    with torch.device("cuda"):  # not 5.6 GB of float32 built on the host first
+        experts = Experts(config, moe).to(torch.bfloat16).requires_grad_(False)
     experts.gate_up_proj.normal_(std=hidden**-0.5)
     experts.down_proj.normal_(std=inter**-0.5)
     return experts
