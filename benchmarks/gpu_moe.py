@@ -17,8 +17,10 @@ included, as a prefill pays it); graph_us the same call replayed in a CUDA graph
 decode step runs it (fused ways at decode rows only). For decode rows, tb_s is the bytes
 of the distinct experts the batch touched / graph time (else eager time): a decode layer
 is a weight read. rel_err is each way's norm-wise error against the reference's output.
-The summary prints the fastest way per shape and row count. Weights are 1.2 GB (Qwen3)
-and 2.8 GB (Mixtral); the largest step's activations take a few GB.
+The summary prints the fastest way per shape and row count. --tile-sweep also times the
+Triton kernel at each of TILE_CANDIDATES (named block_m/block_n/block_k/warps/stages), for
+fused_moe's DECODE_TILES / PREFILL_TILES. Weights are 1.2 GB (Qwen3) and 2.8 GB
+(Mixtral); the largest step's activations take a few GB.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,6 +49,16 @@ SHAPES = {
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_ROWS = (1024, 4096, 16384)
 IMPLS = ("reference", "triton", "grouped_mm")
+# --tile-sweep: Triton tiles to try beside pick_tiles' (block_m, block_n, block_k, warps, stages).
+TILE_CANDIDATES = [
+    fused_moe.MoeTiles(16, 32, 256, 4, 3),
+    fused_moe.MoeTiles(16, 64, 128, 4, 4),
+    fused_moe.MoeTiles(16, 128, 128, 4, 3),
+    fused_moe.MoeTiles(32, 64, 128, 4, 3),
+    fused_moe.MoeTiles(64, 64, 64, 4, 3),
+    fused_moe.MoeTiles(64, 128, 64, 8, 4),
+    fused_moe.MoeTiles(128, 128, 64, 8, 3),
+]
 
 
 def layer(shape: str) -> Experts:
@@ -59,11 +72,15 @@ def layer(shape: str) -> Experts:
     return experts
 
 
-def call(impl: str, experts: Experts, x, weights, ids):
+def call(impl: str, experts: Experts, x, weights, ids, tiles: fused_moe.MoeTiles | None = None):
     if impl == "reference":
         return lambda: experts.reference(x, weights, ids)
-    run = fused_moe.triton_experts if impl == "triton" else fused_moe.grouped_mm_experts
-    return lambda: run(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    if impl == "triton":
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        return lambda: fused_moe.triton_experts(x, weights, ids, gate_up, down, tiles)
+    return lambda: fused_moe.grouped_mm_experts(
+        x, weights, ids, experts.gate_up_proj, experts.down_proj
+    )
 
 
 def median_us(fn, repeats: int) -> float:
@@ -89,7 +106,7 @@ def graph_us(fn, repeats: int) -> float:
     return median_us(graph.replay, repeats) / 10
 
 
-def time_rows(shape: str, experts: Experts, rows: int) -> list[dict]:
+def time_rows(shape: str, experts: Experts, rows: int, sweep: bool) -> list[dict]:
     num_experts, top_k, hidden, inter = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
@@ -101,10 +118,13 @@ def time_rows(shape: str, experts: Experts, rows: int) -> list[dict]:
     weight_bytes = touched * 3 * hidden * inter * 2
     repeats = 50 if decode else 10
     out, reference = [], None
-    for impl in IMPLS:
-        row = dict(shape=shape, rows=rows, impl=impl, experts_touched=touched)
+    ways = [(impl, None) for impl in IMPLS]
+    ways += [("triton", tiles) for tiles in TILE_CANDIDATES] if sweep else []
+    for impl, tiles in ways:
+        name = impl if tiles is None else f"triton {'/'.join(map(str, astuple(tiles)))}"
+        row = dict(shape=shape, rows=rows, impl=name, experts_touched=touched)
         try:
-            fn = call(impl, experts, x, weights, ids)
+            fn = call(impl, experts, x, weights, ids, tiles)
             result = fn()  # compiles the Triton kernels for this shape first
             torch.cuda.synchronize()
             if reference is None:
@@ -144,13 +164,16 @@ def main() -> None:
     )
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=[*DECODE_ROWS, *PREFILL_ROWS])
+    p.add_argument(
+        "--tile-sweep", action="store_true", help="also time the Triton kernel at TILE_CANDIDATES"
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     rows = []
     for shape in args.shapes:
         experts = layer(shape)
         for count in args.rows:
-            rows += time_rows(shape, experts, count)
+            rows += time_rows(shape, experts, count, args.tile_sweep)
             torch.cuda.empty_cache()
         del experts
         torch.cuda.empty_cache()

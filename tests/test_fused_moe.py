@@ -160,6 +160,8 @@ def test_a_tiny_moe_model_generates_the_same_on_the_fused_path(tmp_path, monkeyp
 
 
 # ---- the Triton kernel, in the interpreter -------------------------------------------
+# The interpreter rounds float32 to bf16 toward zero (the GPU to nearest even), which about
+# triples the kernel's bf16 error here; TOLERANCE's bf16 bounds hold either way.
 
 INTERPRETER_TILES = [
     None,  # pick_tiles: decode tiles at these sizes
