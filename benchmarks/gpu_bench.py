@@ -71,7 +71,9 @@ class Shape:
 
     @property
     def num_global_layers(self) -> int:
-        return self.num_layers if self.sliding_window is None else self.num_layers // self.global_every
+        return (
+            self.num_layers if self.sliding_window is None else self.num_layers // self.global_every
+        )
 
     def expert_params(self) -> int:
         """One expert's gate, up and down projections (0 for a dense model)."""
@@ -201,7 +203,9 @@ def write_random_model(shape: Shape, path: Path, weights: bool = True) -> Path:
     )
     if weights:
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, torch_dtype=torch.bfloat16
+            )
         model.save_pretrained(path, safe_serialization=True)
     else:
         config.save_pretrained(path)

@@ -32,6 +32,7 @@
 #   token-masks         token_masks.py: mask fills on this host's CPU, unpacking on the GPU
 #   attention           gpu_attention.py: the decode attention kernels
 #   attention-workload  gpu_attention.py at the workload's own decode steps only
+#   moe                 gpu_moe.py: the fused MoE implementations at decode and prefill rows
 #
 # flashinfer's and Triton's kernel caches live in .ficache/ (git-ignored). A run leaves
 # them in $OUT as ficache.tar.gz.* (12 MiB parts); `cat` them into .ficache.tgz in the
@@ -70,10 +71,11 @@ for step in "$@"; do
   case $step in
     # Only the modules with GPU tests: the others import test-only packages the host may lack.
     tests) python3 -m pytest -q -s -m gpu $(grep -l "pytest.mark.gpu" tests/*.py) $TESTS_ARGS \
-        -p no:cacheprovider 2>&1 | grep -v "it/s\]" | tee -a "$OUT/log.txt" ;;
+        -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    moe) python3 benchmarks/gpu_moe.py --json-out "$OUT/gpu-moe.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     # The engine's own host work per step, on this machine's CPU (no GPU involved).
     host-overhead) python3 benchmarks/host_overhead.py --repeats 3 --max-out 300 --json-out "$OUT/host-overhead.json" \

@@ -57,8 +57,7 @@ def start_up(config: EngineConfig) -> EngineParts:
     log.info("model loaded in %.2f s: %s", loaded - started, model_path)
 
     sched, block_size = config.scheduler, config.block_size
-    # MoE layers take the reference path (engine/model/moe.py), which syncs with the host.
-    use_graphs = attn.supports_cuda_graphs and not config.enforce_eager and mc.moe is None
+    use_graphs = attn.supports_cuda_graphs and not config.enforce_eager
     model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     runner = ModelRunner(model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len)
     graph_sizes = graph_batch_sizes(sched.max_num_seqs)

@@ -7,20 +7,25 @@ SwiGLU MLP whose weights are stacked at load into [num_experts, ...] tensors:
     experts.gate_up_proj [E, 2 * moe_intermediate, hidden] = [gate_proj; up_proj] per expert
     experts.down_proj    [E, hidden, moe_intermediate]
 
-`SparseMoeBlock.forward` is the reference path, on every device: for each expert some token
-chose, gather those tokens, run the expert, scatter-add its output times the router weight.
-It reads the chosen experts back to the host, so it is slow on CUDA and cannot be captured
-in a CUDA graph (startup runs MoE models eagerly); a fused GPU kernel would replace it there.
+`Experts.forward` takes one of two paths. On the CPU, the reference path: for each expert some
+token chose, gather those tokens, run the expert, scatter-add its output times the router
+weight; it reads the chosen experts back to the host. On CUDA, the fused path
+(engine/kernels/fused_moe.py): the (token, slot) pairs sorted by expert on the device and
+every expert run by one grouped GEMM, a Triton kernel or torch._grouped_mm as
+FUSED_BY_TOKENS says, with no host sync, so decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
 from torch import nn
 
 from engine.kernels import silu_and_mul
+from engine.kernels.dispatch import triton_importable
+from engine.kernels.fused_moe import grouped_mm_experts, grouped_mm_fits, triton_experts
 from engine.model.config import ModelConfig
 from engine.model.llama import MLP, linear
 from engine.model.moe_config import MoeConfig
@@ -36,6 +41,11 @@ _EXPERT_NAMES = {
 _MOE_PARAM = re.compile(
     r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.(gate_up_proj|down_proj))"
 )
+
+# The fused implementation on CUDA by token count: the first whose bound is >= T. Not yet
+# measured: the Triton kernel for decode batches and torch._grouped_mm for prefill are
+# starting points until benchmarks/gpu_moe.py times both on a GPU.
+FUSED_BY_TOKENS: tuple[tuple[float, str], ...] = ((256, "triton"), (math.inf, "grouped_mm"))
 
 
 class Router(nn.Module):
@@ -68,7 +78,26 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        """Reference path: each chosen expert runs once over the tokens that chose it."""
+        if x.is_cuda:
+            return self.fused(x.contiguous(), weights, experts)
+        return self.reference(x, weights, experts)
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """All experts as one grouped computation, chosen by FUSED_BY_TOKENS; the other
+        where the chosen one cannot run (no triton; a layout _grouped_mm does not take)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        want = next(impl for bound, impl in FUSED_BY_TOKENS if x.shape[0] <= bound)
+        fits = grouped_mm_fits(x, gate_up, down)
+        if triton_importable() and (want == "triton" or not fits):
+            return triton_experts(x, weights, experts, gate_up, down)
+        if fits:
+            return grouped_mm_experts(x, weights, experts, gate_up, down)
+        return self.reference(x, weights, experts)
+
+    def reference(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Each chosen expert runs once over the tokens that chose it."""
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():  # a host sync: the slow path on CUDA
             tokens, slot = (experts == expert).nonzero(as_tuple=True)

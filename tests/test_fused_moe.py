@@ -1,0 +1,190 @@
+"""engine/kernels/fused_moe.py on the CPU: the grouping by expert, torch._grouped_mm's path,
+and the Triton grouped GEMM under Triton's interpreter, each against the reference path
+(Experts.reference, what the CPU serves with). The interpreter needs TRITON_INTERPRET=1
+before triton is imported: test_fused_moe_in_the_interpreter reruns this file's
+"interpreter" cases in a subprocess, as tests/test_kernels.py does. tests/test_gpu_moe.py
+runs the same implementations on CUDA at real model shapes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.kernels import fused_moe
+from engine.kernels.dispatch import triton_importable
+from engine.llm import LLM
+from engine.model import moe
+from engine.model.moe import Experts
+from engine.sampling_params import SamplingParams
+from tests.test_kernels import INTERPRETED, rerun_interpreter_cases
+from tests.test_model_parity import one_intra_op_thread  # noqa: F401 (autouse: small models)
+from tests.test_triton_linear import interpreter_multiplies_bf16_values  # noqa: F401 (autouse)
+from tests.tiny_models import write_tiny_model
+
+# (tokens, hidden, intermediate, experts, top-k): T = 1; more experts than pairs; partial
+# tile blocks everywhere (hidden 48, intermediate 24 against blocks of 16 and 32).
+SHAPES = [(1, 32, 16, 4, 2), (7, 48, 24, 6, 2), (9, 32, 24, 16, 3), (33, 64, 32, 5, 1)]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    torch.manual_seed(0)
+
+
+def random_experts(hidden: int, inter: int, num_experts: int, dtype: torch.dtype) -> Experts:
+    config = SimpleNamespace(hidden_size=hidden)
+    moe_config = SimpleNamespace(num_experts=num_experts, moe_intermediate_size=inter)
+    experts = Experts(config, moe_config)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=hidden**-0.5)
+        experts.down_proj.normal_(std=inter**-0.5)
+    return experts.to(dtype).requires_grad_(False)
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, dtype: torch.dtype):
+    """(weights, expert ids) as a router gives them: k distinct experts per token; the
+    last expert is never chosen (where there are spare ones), so one group is empty."""
+    scores = torch.rand(tokens, num_experts)
+    if num_experts > top_k:
+        scores[:, -1] = -1.0
+    weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    return weights.to(dtype), ids
+
+
+def case(shape: tuple, dtype: torch.dtype):
+    tokens, hidden, inter, num_experts, top_k = shape
+    experts = random_experts(hidden, inter, num_experts, dtype)
+    weights, ids = random_routing(tokens, num_experts, top_k, dtype)
+    x = torch.randn(tokens, hidden).to(dtype)
+    return experts, x, weights, ids
+
+
+# ---- grouping ------------------------------------------------------------------------
+
+
+def test_group_by_expert_sorts_pairs_stably_and_counts_empty_experts():
+    ids = torch.tensor([[3, 0], [0, 3], [1, 0]])
+    g = fused_moe.group_by_expert(ids, num_experts=5)
+    assert g.order.tolist() == [1, 2, 5, 4, 0, 3]  # pairs token * k + slot, by expert
+    assert g.counts.tolist() == [3, 1, 0, 2, 0]
+    assert g.ends.tolist() == [3, 4, 4, 6, 6] and g.ends.dtype == torch.int32
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_padded_rows_hold_every_pair_once_in_blocks_of_one_expert(shape, block_m):
+    tokens, _, _, num_experts, top_k = shape
+    _, ids = random_routing(tokens, num_experts, top_k, torch.float32)
+    num_pairs = ids.numel()
+    g = fused_moe.group_by_expert(ids, num_experts)
+    pair_of_row, block_expert = fused_moe.pad_groups(g, ids, block_m)
+    assert pair_of_row.numel() == fused_moe.padded_size(num_pairs, num_experts, block_m)
+    assert block_expert.numel() * block_m == pair_of_row.numel()
+    real = pair_of_row[pair_of_row < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))
+    flat = ids.reshape(-1)
+    for block, expert in enumerate(block_expert.tolist()):
+        rows = pair_of_row[block * block_m : (block + 1) * block_m]
+        rows = rows[rows < num_pairs]
+        if expert == num_experts:  # past the last expert's rows: all padding
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and (flat[rows.long()] == expert).all()
+
+
+# ---- torch._grouped_mm ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grouped_mm_equals_the_reference(shape, dtype):
+    experts, x, weights, ids = case(shape, dtype)
+    want = experts.reference(x, weights, ids)
+    got = fused_moe.grouped_mm_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def test_float32_router_weights_with_bf16_activations():
+    experts, x, _, ids = case(SHAPES[1], torch.bfloat16)
+    weights = torch.rand(ids.shape)
+    want = experts.reference(x, weights, ids)
+    got = fused_moe.grouped_mm_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
+
+
+def test_grouped_mm_fits_only_16_byte_strides():
+    experts, x, _, _ = case(SHAPES[0], torch.bfloat16)
+    assert fused_moe.grouped_mm_fits(x, experts.gate_up_proj, experts.down_proj)
+    odd = random_experts(36, 16, 4, torch.bfloat16)  # 36 bf16 = 72 bytes a row
+    x_odd = torch.randn(2, 36).to(torch.bfloat16)
+    assert not fused_moe.grouped_mm_fits(x_odd, odd.gate_up_proj, odd.down_proj)
+
+
+def test_experts_take_the_reference_path_on_the_cpu(monkeypatch):
+    experts, x, weights, ids = case(SHAPES[1], torch.float32)
+    monkeypatch.setattr(moe.Experts, "fused", lambda *args: pytest.fail("fused on the CPU"))
+    torch.testing.assert_close(experts(x, weights, ids), experts.reference(x, weights, ids))
+
+
+def test_fused_dispatch_falls_back_to_grouped_mm_without_triton(monkeypatch):
+    experts, x, weights, ids = case(SHAPES[2], torch.float32)
+    monkeypatch.setattr(moe, "triton_importable", lambda: False)
+    monkeypatch.setattr(moe, "triton_experts", lambda *args: pytest.fail("no triton"))
+    got = experts.fused(x, weights, ids)
+    torch.testing.assert_close(got, experts.reference(x, weights, ids), **TOLERANCE[torch.float32])
+
+
+def test_a_tiny_moe_model_generates_the_same_on_the_fused_path(tmp_path, monkeypatch):
+    """The fused path's glue inside a model (router weights as the model makes them, its
+    activations' layout), through torch._grouped_mm: the Triton kernel needs CUDA or the
+    interpreter, which the cases below run on the kernel alone."""
+    directory = write_tiny_model(tmp_path, "qwen3_moe", num_experts=6, num_experts_per_tok=2)
+    prompts = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 250]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLM(str(directory), num_blocks=64, block_size=4).generate(prompts, params)
+    calls = []
+    grouped_mm_experts = moe.grouped_mm_experts
+    monkeypatch.setattr(moe, "triton_importable", lambda: False)
+    monkeypatch.setattr(
+        moe, "grouped_mm_experts", lambda *a: calls.append(1) or grouped_mm_experts(*a)
+    )
+    monkeypatch.setattr(moe.Experts, "forward", moe.Experts.fused)
+    got = LLM(str(directory), num_blocks=64, block_size=4).generate(prompts, params)
+    assert calls  # the fused path ran, not the reference fallback
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+# ---- the Triton kernel, in the interpreter -------------------------------------------
+# The interpreter rounds float32 to bf16 toward zero (the GPU to nearest even), which about
+# triples the kernel's bf16 error here; TOLERANCE's bf16 bounds hold either way.
+
+INTERPRETER_TILES = [
+    None,  # pick_tiles: decode tiles at these sizes
+    fused_moe.PREFILL_TILES,
+    fused_moe.MoeTiles(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1),
+]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
+@pytest.mark.parametrize("tiles", INTERPRETER_TILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_triton_experts_equal_the_reference_interpreter(shape, dtype, tiles):
+    experts, x, weights, ids = case(shape, dtype)
+    want = experts.reference(x, weights, ids)
+    got = fused_moe.triton_experts(
+        x, weights, ids, experts.gate_up_proj, experts.down_proj, tiles=tiles
+    )
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_fused_moe_in_the_interpreter() -> None:
+    rerun_interpreter_cases(__file__)
