@@ -39,6 +39,9 @@
 # repository root and the next run on a fresh host starts from those kernels.
 set -uo pipefail
 TESTS_ARGS=${TESTS_ARGS:-}  # more pytest options for tests, e.g. "-k graph"
+# The test files for tests (default: every module with GPU tests; the others import
+# test-only packages the host may lack).
+TESTS_FILES=${TESTS_FILES:-$(grep -l "pytest.mark.gpu" tests/*.py)}
 BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
 STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for structured
@@ -69,8 +72,7 @@ status=0
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    # Only the modules with GPU tests: the others import test-only packages the host may lack.
-    tests) python3 -m pytest -q -s -m gpu $(grep -l "pytest.mark.gpu" tests/*.py) $TESTS_ARGS \
+    tests) python3 -m pytest -q -s -m gpu $TESTS_FILES $TESTS_ARGS \
         -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
