@@ -1,6 +1,6 @@
 """Each model family beyond the Llama layout on the GPU: bf16 on CUDA tracks the float32
 CPU path (itself matched to transformers by the parity tests), and CUDA-graph decode
-generates what eager decode does.
+generates what eager decode does (tests/test_gpu_moe.py's for the MoE families).
 
 Tiny random models at unit gain (tests/test_gpu.py's at_unit_gain) with head_dim 128, a
 head size flashinfer builds kernels for.
@@ -118,6 +118,8 @@ def settled_routing(model_dir: Path, tokens: list[list[int]]) -> list[torch.Tens
     return settled
 
 
+# The MoE families' graph decode is tests/test_gpu_moe.py's, with each fused implementation.
+@pytest.mark.parametrize("family_dir", ["phi3-longrope"], indirect=True)
 def test_cuda_graph_decode_matches_eager(family_dir):
     prompts = random_prompts(9, seed=6, lo=5, hi=90)
     params = [greedy(8 + 4 * i) for i in range(9)]

@@ -143,6 +143,11 @@ TINY_MODELS = {
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=256, sliding_window=None
     ),
 }
+# A mixture of experts' near-ties reach further than a dense model's: where two runs'
+# rounding swaps an expert at a routing near-tie, the logits move by more than NEAR_TIE.
+# Measured: picks flipped at gaps up to 0.22 between graph and eager decode on the H100,
+# and up to 0.33 between the bf16 fused and reference paths on the CPU.
+ROUTED_NEAR_TIE = 0.5
 # The fused choice per token count: as shipped, and each implementation everywhere.
 TABLES = {
     "shipped": moe.FUSED_BY_TOKENS,
@@ -185,4 +190,4 @@ def test_moe_decode_in_cuda_graphs_matches_eager(moe_model_dir, monkeypatch, tab
     replayed = llm.engine.runner.num_graph_steps
     got = llm.generate(prompts, params)
     assert llm.engine.runner.num_graph_steps > replayed
-    assert_greedy_close(got, want)
+    assert_greedy_close(got, want, ROUTED_NEAR_TIE)

@@ -42,9 +42,11 @@ _MOE_PARAM = re.compile(
     r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.(gate_up_proj|down_proj))"
 )
 
-# The fused implementation on CUDA by token count: the first whose bound is >= T. Not yet
-# measured: the Triton kernel for decode batches and torch._grouped_mm for prefill are
-# starting points until benchmarks/gpu_moe.py times both on a GPU.
+# The fused implementation on CUDA by token count: the first whose bound is >= T. Measured
+# on the H100 (benchmarks/gpu_moe.py, benchmarks/RESULTS.md): up to 256 tokens the Triton
+# kernel is the faster in CUDA graphs at Qwen3-30B-A3B's layer (539 against 590 us at 256)
+# and Mixtral's but at 64 and 256; from 1,024 torch._grouped_mm is 2-3x faster at Mixtral's
+# (its prefill tiles do not suit the Triton kernel), 6-12% slower at Qwen3's.
 FUSED_BY_TOKENS: tuple[tuple[float, str], ...] = ((256, "triton"), (math.inf, "grouped_mm"))
 
 
