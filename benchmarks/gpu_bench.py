@@ -65,9 +65,9 @@ class Shape:
     sliding_window: int | None = None
     global_every: int = 1
 
-    @property
-    def kv_bytes_per_token(self) -> int:  # bf16 K and V of one layer
-        return 2 * self.num_kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * element_bytes
 
     @property
     def num_global_layers(self) -> int:
@@ -103,17 +103,33 @@ class Shape:
         chosen = self.num_layers * self.experts_per_token * self.expert_params()
         return self.shared_params() + chosen
 
-    def decode_weight_bytes(self, running: int) -> float:
-        """bf16 bytes a decode step of `running` sequences reads: the shared weights, and in
+    def unprojected_params(self) -> int:
+        """The weights outside the linear projections (embeddings, head, norms, router),
+        which stay 16-bit when the projections are quantized."""
+        h = self.hidden_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        per_layer = 2 * h + self.num_experts * h
+        if self.model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+            per_layer += 2 * self.head_dim
+        if self.model_type == "gemma3_text":
+            per_layer += 2 * h
+        return self.num_layers * per_layer + embeddings + h
+
+    def decode_weight_bytes(self, running: int, projection_bytes: float = 2) -> float:
+        """Bytes a decode step of `running` sequences reads: the shared weights, and in
         each layer the experts some sequence chose, in expectation under uniform routing
-        (a random model's router): E * (1 - (1 - k/E)^running) distinct experts."""
+        (a random model's router): E * (1 - (1 - k/E)^running) distinct experts. The
+        projections' weights take projection_bytes each (1 in fp8), the rest 2."""
         experts = 0.0
         if self.num_experts:
             unchosen = (1 - self.experts_per_token / self.num_experts) ** running
             experts = self.num_experts * (1 - unchosen)
-        return 2 * (self.shared_params() + self.num_layers * experts * self.expert_params())
+        unprojected = self.unprojected_params()
+        projections = self.shared_params() - unprojected
+        projections += self.num_layers * experts * self.expert_params()
+        return 2 * unprojected + projection_bytes * projections
 
-    def kv_bytes_read(self, prompt_len: int, output_len: int) -> float:
+    def kv_bytes_read(self, prompt_len: int, output_len: int, element_bytes: int = 2) -> float:
         """KV bytes a request's decode steps read: output token t reads its prompt and its
         t earlier outputs in global layers, at most the last sliding_window in the others."""
         contexts = torch.arange(prompt_len, prompt_len + output_len, dtype=torch.float64)
@@ -121,12 +137,15 @@ class Shape:
         if self.sliding_window is not None:
             sliding = self.num_layers - self.num_global_layers
             tokens += sliding * contexts.clamp(max=self.sliding_window).sum()
-        return float(tokens) * self.kv_bytes_per_token
+        return float(tokens) * self.kv_bytes_per_token(element_bytes)
 
 
 SHAPES = {
     "qwen3-0.6b": Shape("Qwen3ForCausalLM", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True),
     "smollm2-135m": Shape("LlamaForCausalLM", "llama", 576, 30, 9, 3, 64, 1536, 49152, True, 8192),
+    "llama-3-8b": Shape(
+        "LlamaForCausalLM", "llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 8192
+    ),
     "qwen3-30b-a3b": Shape(
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
@@ -226,12 +245,18 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / _median_seconds(lambda: dst.copy_(src))
 
 
-def matmul_rate() -> float:
-    """bf16 8192^3 matmul FLOP/s on random data (median of 10)."""
+def matmul_rate(fp8: bool = False) -> float:
+    """8192^3 matmul FLOP/s on random data (median of 10): bf16, or e4m3 with per-tensor
+    scales through torch._scaled_mm."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / _median_seconds(lambda: a @ b)
+    if not fp8:
+        return 2 * n**3 / _median_seconds(lambda: a @ b)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # column-major B
+    one = torch.ones((), device="cuda")
+    matmul = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    return 2 * n**3 / _median_seconds(matmul)
 
 
 def _median_seconds(fn, repeats: int = 10) -> float:
@@ -259,17 +284,21 @@ class Roofline:
     floor_tok_s: float
 
 
-def roofline(shape: Shape, work: Workload) -> Roofline:
-    """The floor for `work` with every request running at once (the best schedule)."""
-    bandwidth, rate = copy_bandwidth(), matmul_rate()
+def roofline(shape: Shape, work: Workload, fp8_weights: bool, fp8_kv: bool) -> Roofline:
+    """The floor for `work` with every request running at once (the best schedule), for
+    the bytes the engine reads: fp8 projections and KV take one byte an element, and fp8
+    weights multiply at the fp8 matmul rate."""
+    bandwidth, rate = copy_bandwidth(), matmul_rate(fp8=fp8_weights)
+    projection_bytes, kv_element_bytes = (1 if fp8_weights else 2), (1 if fp8_kv else 2)
     # Decode step s runs the requests with more than s outputs; each step reads the weights
     # (a mixture of experts: those its sequences chose) once.
     decode_weight_bytes = sum(
-        shape.decode_weight_bytes(sum(n > step for n in work.output_lens))
+        shape.decode_weight_bytes(sum(n > step for n in work.output_lens), projection_bytes)
         for step in range(max(work.output_lens))
     )
     decode_kv_bytes = sum(
-        shape.kv_bytes_read(len(p), n) for p, n in zip(work.prompts, work.output_lens, strict=True)
+        shape.kv_bytes_read(len(p), n, kv_element_bytes)
+        for p, n in zip(work.prompts, work.output_lens, strict=True)
     )
     prefill_flop = 2 * shape.active_params() * work.prompt_tokens
     floor = (decode_weight_bytes + decode_kv_bytes) / bandwidth + prefill_flop / rate
@@ -285,6 +314,12 @@ def roofline(shape: Shape, work: Workload) -> Roofline:
 
 
 # ---- pagedserve ----------------------------------------------------------------------------
+
+
+def precision_settings(args: argparse.Namespace) -> dict:
+    """The engine's KV and weight precision settings the flags change from the defaults."""
+    settings = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}
+    return {name: value for name, value in settings.items() if value not in (None, "auto")}
 
 
 def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
@@ -310,6 +345,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        **precision_settings(args),
     )
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
@@ -429,6 +465,14 @@ def main() -> None:
     p.add_argument("--block-size", type=int, help="tokens per KV page (default: the engine's)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--kv-cache-dtype", default="auto", help="the KV pool's dtype: auto, bfloat16, fp8_e4m3"
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="fp8: the projections' weights quantized on load (the roofline counts a byte each)",
+    )
+    p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -458,15 +502,23 @@ def main() -> None:
     model_dir = write_random_model(
         shape, args.model_dir / args.shape, weights=args.compare_transformers
     )
-    floor = roofline(shape, work)
+    fp8_weights, fp8_kv = args.quantization == "fp8", args.kv_cache_dtype == "fp8_e4m3"
+    floor = roofline(shape, work, fp8_weights, fp8_kv)
     print(f"roofline: {asdict(floor)}")
     ours = run_offline(args, model_dir, work)
     ours["of_roofline"] = round(ours["output_tok_s"] / floor.floor_tok_s, 3)
+    # Batch-1 decode against the time to read the weights once (a token's own KV is small).
+    weights_once_ms = shape.decode_weight_bytes(1, 1 if fp8_weights else 2) / (
+        floor.copy_bandwidth_gb_s * 1e6
+    )
+    ours["batch1_tpot_over_weight_read"] = round(ours["batch1_tpot_ms"] / weights_once_ms, 3)
     print(f"pagedserve: {ours}")
     result = {
         **run_info(),
         "gpu": torch.cuda.get_device_name(),
         "shape": args.shape,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "workload": work.describe(),
         "roofline": asdict(floor),
         "pagedserve": ours,
