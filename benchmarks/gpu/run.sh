@@ -19,6 +19,8 @@
 #   smollm2             bench on the SmolLM2-135M shape
 #   bench-moe           bench on the Qwen3-30B-A3B shape (128 experts, 8 per token)
 #   bench-gemma3        bench on the Gemma-3-12B shape (sliding-window layers, head_dim 256)
+#   bench-fp8-kv        bench with a bf16 KV cache, then an fp8 one (Qwen3-0.6B shape)
+#   bench-fp8-8b        bench on the Llama-3-8B shape in bf16, then fp8 weights + fp8 KV
 #   host-overhead       host_overhead.py: the engine's host work per step, on this host's CPU
 #   serving             gRPC at concurrency 256 against offline (serving.py)
 #   serving-cold        the same from an empty kernel cache filled by `pagedserve warmup`,
@@ -133,6 +135,13 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         $BENCH_ARGS --json-out "$OUT/gpu-qwen3-30b-a3b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     bench-gemma3) python3 benchmarks/gpu_bench.py --shape gemma-3-12b $BENCH_ARGS \
         --json-out "$OUT/gpu-gemma-3-12b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench-fp8-kv) python3 benchmarks/gpu_bench.py $BENCH_ARGS --json-out "$OUT/gpu-qwen3-0.6b.json" 2>&1 \
+        | tee -a "$OUT/log.txt" && python3 benchmarks/gpu_bench.py --kv-cache-dtype fp8_e4m3 $BENCH_ARGS \
+        --json-out "$OUT/gpu-qwen3-0.6b-fp8-kv.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    bench-fp8-8b) python3 benchmarks/gpu_bench.py --shape llama-3-8b $BENCH_ARGS \
+        --json-out "$OUT/gpu-llama-3-8b.json" 2>&1 | tee -a "$OUT/log.txt" &&
+      python3 benchmarks/gpu_bench.py --shape llama-3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+        $BENCH_ARGS --json-out "$OUT/gpu-llama-3-8b-fp8.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows $LINEAR_ARGS \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured) python3 benchmarks/structured_output.py $STRUCTURED_ARGS \
