@@ -209,6 +209,26 @@ def prefill_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(hidden).float()
 
 
+def test_an_fp8_mixture_of_experts_loads_dequantized_on_the_cpu(tmp_path):
+    source = write_tiny_model(tmp_path / "moe", "qwen3_moe", mlp_only_layers=[1])
+    fp8_dir, plain_dir = write_fp8(source, tmp_path, "channel")
+    assert "model.layers.0.mlp.experts.3.up_proj.weight_scale" in load_file(
+        fp8_dir / "model.safetensors"
+    )
+    got, want = load(fp8_dir).state_dict(), load(plain_dir).state_dict()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_fp8_experts_are_refused_where_fp8_runs(tmp_path, fp8_runs):
+    source = write_tiny_model(tmp_path / "moe", "qwen3_moe")
+    fp8_dir, _ = write_fp8(source, tmp_path, "block")
+    with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM's experts have no fp8 kernel"):
+        load(fp8_dir)
+    with pytest.raises(ValidationError, match="quantization: fp8 is not supported for Qwen3Moe"):
+        load(source, quantization="fp8")
+
+
 # ---- what fails, in one line ----------------------------------------------------------------
 
 

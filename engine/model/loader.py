@@ -90,6 +90,8 @@ def load_model(
         named = _read_safetensors(files)
         fp8_names = _fp8_tensor_names(files) if config.fp8 is not None else set()
 
+    if config.moe is not None and fp8_linear_runs(device):
+        _refuse_fp8_experts(config, quantization)
     with torch.device("meta"):
         if config.gemma3 is not None:
             model = Gemma3ForCausalLM(config, attn_backend)
@@ -294,6 +296,15 @@ def _fp8_projections(
         if quantize or all(part in fp8_names for part in parts[f"{name}.weight"]):
             chosen.add(name)
     return chosen
+
+
+def _refuse_fp8_experts(config: ModelConfig, quantization: str | None) -> None:
+    """Where fp8 runs, a mixture of experts' experts would need an fp8 grouped GEMM."""
+    why = f"{config.architecture}'s experts have no fp8 kernel; serve its bf16 checkpoint"
+    if quantization is not None:
+        raise ValidationError("quantization", f"fp8 is not supported for {why}")
+    if config.fp8 is not None:
+        raise ModelLoadError(f"fp8 checkpoints are not supported on CUDA for {why}")
 
 
 def _fp8_tensor_names(files: list[Path]) -> set[str]:
