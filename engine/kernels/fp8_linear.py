@@ -22,9 +22,11 @@ _MIN_AMAX = 1e-12
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]) with x ~= q * scale."""
-    x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]) with x ~= q * scale.
+
+    The division promotes a 16-bit x to float32 in its own kernel; the clamp keeps a
+    quotient rounded past 448 from becoming NaN (e4m3fn has no infinity)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_AMAX) / FP8_MAX
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -36,7 +38,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [M, K] (16-bit float) @ (weight [N, K] fp8 * weight_scale [N, 1])^T (+ bias [N]),
     in x's dtype. N and K must be multiples of 16 (fp8_linear_fits)."""
-    x_fp8, x_scale = quantize_rows(x)
+    x_fp8, x_scale = quantize_rows(x.contiguous())  # the fp8 GEMM takes row-major x only
     out = torch._scaled_mm(
         x_fp8,
         weight.t(),  # column-major, as the fp8 GEMM wants its second operand
