@@ -24,8 +24,9 @@ from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_model
 
-# Projections an fp8 checkpoint holds in fp8 (transformers' names, before our merges).
+# Projections an fp8 checkpoint holds in fp8 (transformers' names; Phi-3's come merged).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS += ("qkv_proj", "gate_up_proj")
 # Blocks that do not divide the tiny model's 64 / 128 rows and columns: partial blocks too.
 BLOCK = (48, 32)
 SCHEMES = ("block", "tensor", "channel")
@@ -207,6 +208,24 @@ def prefill_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         hidden = model(tokens, torch.arange(n), cache, meta)
         return model.compute_logits(hidden).float()
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("phi3", {"partial_rotary_factor": 0.75}), ("gemma3_text", {})],
+    ids=["phi3-partial-rotary", "gemma3"],
+)
+def test_other_families_fp8_rows_are_their_weights(tmp_path, fp8_runs, arch, overrides):
+    """Phi-3's merged checkpoint projections, their rotary rows reordered at load (scales
+    with them), and Gemma 3's layers keep per-row fp8 exact."""
+    source = write_tiny_model(tmp_path / arch, arch, **overrides)
+    fp8_dir, plain_dir = write_fp8(source, tmp_path, "channel")
+    model, plain = load(fp8_dir), load(plain_dir)
+    projections = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(projections) == 4 * model.config.num_layers
+    for name, module in projections:
+        dequantized = module.weight.float() * module.weight_scale[:, None]
+        assert torch.equal(dequantized, plain.get_submodule(name).weight), name
 
 
 def test_an_fp8_mixture_of_experts_loads_dequantized_on_the_cpu(tmp_path):
