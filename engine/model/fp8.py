@@ -19,8 +19,10 @@ the projections (qkv, o, gate_up, down) become Fp8Linear modules: an fp8 weight 
 float32 scale per output row. Row scales make every merge exact: q, k and v (gate and up)
 keep their own, whatever their checkpoint scales were. Per-tensor and per-row checkpoint
 scales are kept as they are; block scales become row scales, each row dequantized and
-quantized again with its own amax, as torch._scaled_mm's rowwise recipe needs (one more
-rounding of each weight, within e4m3's step). `quantization = "fp8"` quantizes a
+quantized again with its own amax (one more rounding of each weight, within e4m3's step).
+torch._scaled_mm also has a 128x128-block recipe, but only on sm90 with a recent cuBLAS
+and with activations scaled per 128 columns; the rowwise recipe runs on sm89 and sm90
+alike, so every fp8 projection takes the one path. `quantization = "fp8"` quantizes a
 checkpoint's projections the same way as they load. Anywhere else (the CPU, older GPUs, the
 embeddings, the LM head, the MoE experts) fp8 checkpoint weights are dequantized to the
 model's dtype at load.
