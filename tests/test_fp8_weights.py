@@ -184,6 +184,22 @@ def test_quantizing_on_load_scales_each_row_as_the_merged_weight(bf16_dir, fp8_r
     assert model.lm_head.weight.dtype == torch.float32
 
 
+def test_the_engine_serves_quantized_projections(bf16_dir, fp8_runs):
+    """The setting reaches the loader, and a step runs Fp8Linear (the CPU's _scaled_mm)."""
+    llm = LLM(str(bf16_dir), device="cpu", num_blocks=32, block_size=16, quantization="fp8")
+    assert isinstance(llm.engine.runner.model.model.layers[1].mlp.gate_up_proj, Fp8Linear)
+    out = llm.generate([[5, 9, 31]], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert len(out.outputs[0].token_ids) == 6
+
+
+def test_random_weights_quantize_too(bf16_dir, fp8_runs):
+    model = load(bf16_dir, quantization="fp8", random_weights=True)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.weight.dtype == FP8
+    assert (down.weight_scale > 0).all()
+    assert model.model.norm.weight.eq(1).all()
+
+
 def test_fp8_projections_track_the_float32_model(bf16_dir, fp8_runs):
     """The CPU's torch._scaled_mm runs the Fp8Linear path end to end: logits stay close
     (tiny_models' std 0.1 makes the net chaotic: bf16 alone moves its logits by 2%)."""
