@@ -23,9 +23,10 @@ quantized again with its own amax (one more rounding of each weight, within e4m3
 torch._scaled_mm also has a 128x128-block recipe, but only on sm90 with a recent cuBLAS
 and with activations scaled per 128 columns; the rowwise recipe runs on sm89 and sm90
 alike, so every fp8 projection takes the one path. `quantization = "fp8"` quantizes a
-checkpoint's projections the same way as they load. Anywhere else (the CPU, older GPUs, the
-embeddings, the LM head, the MoE experts) fp8 checkpoint weights are dequantized to the
-model's dtype at load.
+checkpoint's projections the same way as they load, and fails at start anywhere else.
+Anywhere else (the CPU, older GPUs, the embeddings, the LM head) fp8 checkpoint weights are
+dequantized to the model's dtype at load. A mixture of experts is dequantized whole on the
+CPU and refused where fp8 runs: its experts would need an fp8 grouped GEMM.
 """
 
 from __future__ import annotations
