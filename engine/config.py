@@ -80,6 +80,7 @@ class SchedulerConfig:
 CPU_TARGET_STEP_SECONDS = 0.25
 
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -98,6 +99,11 @@ class EngineConfig:
     # checkpoint read (a directory with config.json and a tokenizer is enough): a model's
     # speed without its gigabytes on disk, for benchmarks.
     load_format: str = "auto"
+    # fp8: quantize the checkpoint's projections to fp8 as they load (one scale per output
+    # row, activations scaled per token as they run), on CUDA GPUs of compute capability 8.9
+    # or newer. None: the checkpoint's own weights; an fp8 checkpoint runs in fp8 where it
+    # can and is dequantized to `dtype` elsewhere (engine/model/fp8.py).
+    quantization: str | None = None
     max_model_len: int | None = None  # None = the model's own context length
     engine_seed: int = 0  # seeds the draws for requests that bring no seed
     enforce_eager: bool = False  # CUDA: never replay CUDA graphs (run every step eagerly)
@@ -135,6 +141,11 @@ class EngineConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValidationError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValidationError(
+                "quantization",
+                f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+            )
         if self.dtype == "float32" and self.torch_device.type == "cuda":
             # flashinfer's attention kernels are built for 16-bit activations only
             raise ValidationError("dtype", "float32 is not served on CUDA; use bfloat16 or float16")

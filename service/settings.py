@@ -20,6 +20,7 @@ from typing import Any, get_args, get_type_hints
 
 from engine.config import (
     LOAD_FORMATS,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -161,6 +162,15 @@ SETTINGS: tuple[Setting, ...] = (
         "auto: the checkpoint's weights; dummy: random weights of the config's shapes, no "
         "weights read (benchmarks)",
         choices=LOAD_FORMATS,
+    ),
+    _setting(
+        "engine",
+        "quantization",
+        "fp8: quantize the checkpoint's projections to fp8 as they load (per output row; "
+        "activations per token), CUDA of compute capability 8.9 or newer only; unset: the "
+        "checkpoint's own weights (an fp8 checkpoint runs in fp8 where it can, dequantized "
+        "elsewhere)",
+        choices=QUANTIZATIONS,
     ),
     _setting("engine", "max_model_len", "context length cap; unset: the model's own"),
     _setting("engine", "engine_seed", "seeds the draws of requests that bring no seed"),

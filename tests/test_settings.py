@@ -149,6 +149,7 @@ SAMPLES = {
     "model": "/models/m",
     "revision": "v2",
     "load_format": "dummy",
+    "quantization": "fp8",
     "download_dir": "/var/cache/huggingface/hub",
     "device": "cpu",
     "dtype": "float16",

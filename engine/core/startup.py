@@ -48,7 +48,12 @@ def start_up(config: EngineConfig) -> EngineParts:
     else:
         attn = TorchPagedAttention()
     model, mc = load_model(
-        model_path, dtype, device, attn, random_weights=config.load_format == "dummy"
+        model_path,
+        dtype,
+        device,
+        attn,
+        random_weights=config.load_format == "dummy",
+        quantization=config.quantization,
     )
     attn.configure(
         mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, mc.attention_scale, mc.attention_windows

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 from engine.model import phi3
+from engine.model.fp8 import Fp8Checkpoint
 from engine.model.gemma3_config import GEMMA3_ARCHITECTURE, Gemma3Config
 from engine.model.moe_config import MoeConfig
 from engine.model.rope import check_rope_scaling
@@ -67,6 +68,7 @@ class ModelConfig:
     moe: MoeConfig | None = None  # mixture-of-experts layers (engine/model/moe.py)
     partial_rotary_factor: float = 1.0  # rope over the first part of each head only (Phi-4-mini)
     gemma3: Gemma3Config | None = None  # Gemma 3's layers (engine/model/gemma3.py)
+    fp8: Fp8Checkpoint | None = None  # fp8 weights in the checkpoint (engine/model/fp8.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -172,6 +174,7 @@ class ModelConfig:
             moe=MoeConfig.from_hf_config(d, architecture),
             partial_rotary_factor=partial_rotary_factor,
             gemma3=gemma3,
+            fp8=Fp8Checkpoint.from_hf_config(d),
         )
 
 

@@ -5,6 +5,11 @@ converted to the target dtype and device as it streams in, and the finished tens
 assigned into the module: one copy of the weights ever exists. q/k/v and gate/up are
 copied into slices of their merged parameter as they arrive.
 
+fp8 weights (engine/model/fp8.py): where fp8 runs, the projections an fp8 checkpoint
+holds in fp8 (all of them with quantization "fp8") are built as Fp8Linear modules and each
+checkpoint piece arrives as fp8 rows and their scales; elsewhere an fp8 tensor is
+dequantized to the target dtype as it arrives, once its scale has come too.
+
 With random_weights no checkpoint tensor is read: every parameter is drawn on the device
 as transformers initialises a model (matrices normal with std 0.02, biases 0, norm
 weights at their neutral value), so a model's speed can be measured from its config alone.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -24,11 +30,21 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from engine.attention.base import AttentionBackend
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, ValidationError
+from engine.kernels.fp8_linear import FP8, fp8_linear_fits, fp8_linear_runs
 from engine.model.config import ModelConfig, as_token_ids
+from engine.model.fp8 import (
+    INPUT_SCALES,
+    PROJECTIONS,
+    WEIGHT_SCALES,
+    Fp8Checkpoint,
+    check_input_scale,
+    quantized,
+    use_fp8_linears,
+)
 from engine.model.gemma3 import Gemma3ForCausalLM
 from engine.model.gguf import gguf_model_config, gguf_tensors, open_gguf
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import Linear, LlamaForCausalLM
 from engine.model.moe import ExpertRows, layer_mlp, moe_checkpoint_pieces
 from engine.model.phi3 import FUSED_CHECKPOINTS, put_rotary_rows_in_order
 
@@ -37,6 +53,8 @@ NamedTensors = Iterable[tuple[str, torch.Tensor, str]]
 # Where a checkpoint tensor goes in its parameter: all of it (None), rows, or an expert's rows.
 Rows = slice | ExpertRows | None
 
+log = logging.getLogger(__name__)
+
 
 def load_model(
     path: str | Path,
@@ -44,9 +62,17 @@ def load_model(
     device: torch.device | str,
     attn_backend: AttentionBackend,
     random_weights: bool = False,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model on `device` in `dtype`; quantization "fp8" makes its projections fp8."""
     path = Path(path)
     device = torch.device(device)
+    if quantization is not None and not fp8_linear_runs(device):
+        raise ValidationError(
+            "quantization",
+            f"fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); {device} "
+            "has none",
+        )
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_file():
@@ -56,17 +82,24 @@ def load_model(
         config = gguf_model_config(reader)
         named = ((name, t, path.name) for name, t in gguf_tensors(reader, config))
         num_tensors = len(reader.tensors)
+        fp8_names: set[str] = set()
     else:
         config = read_hf_config(path)
         files = [] if random_weights else safetensors_files(path)
         num_tensors = sum(len(_safetensors_keys(f)) for f in files)
         named = _read_safetensors(files)
+        fp8_names = _fp8_tensor_names(files) if config.fp8 is not None else set()
 
+    if config.moe is not None and fp8_linear_runs(device):
+        _refuse_fp8_experts(config, quantization)
     with torch.device("meta"):
         if config.gemma3 is not None:
             model = Gemma3ForCausalLM(config, attn_backend)
         else:
             model = LlamaForCausalLM(config, attn_backend, layer_mlp)
+    if fp8_linear_runs(device):
+        fp8_modules = _fp8_projections(model, config, fp8_names, quantize=quantization == "fp8")
+        use_fp8_linears(model, fp8_modules)
     if random_weights:
         model.load_state_dict(_random_weights(model, config, dtype, device), assign=True)
         model.to(device)
@@ -74,7 +107,11 @@ def load_model(
     weights = _load_weights(model, config, named, num_tensors, dtype, device)
     if config.rotary_dim < config.head_dim:
         put_rotary_rows_in_order(
-            weights, config.head_dim, config.rotary_dim, config.num_heads, config.num_kv_heads
+            {n: w.view(torch.uint8) if w.dtype == FP8 else w for n, w in weights.items()},
+            config.head_dim,
+            config.rotary_dim,
+            config.num_heads,
+            config.num_kv_heads,
         )
     model.load_state_dict(weights, assign=True, strict=True)
     model.to(device)  # moves the rope cache, built on the CPU; weights are already there
@@ -138,10 +175,15 @@ def _load_weights(
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """Stream checkpoint tensors into real tensors for every parameter of the meta model."""
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    pieces = checkpoint_pieces(shapes, config)
+    params = dict(model.named_parameters())
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    fp8_scales = {name for name, p in params.items() if name.endswith(".weight_scale")}
+    pieces = checkpoint_pieces({n: s for n, s in shapes.items() if n not in fp8_scales}, config)
     weights: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
+    scales: dict[str, torch.Tensor] = {}  # fp8 checkpoint weight name -> its scale
+    waiting: dict[str, tuple[torch.Tensor, str]] = {}  # fp8 weights whose scale is yet to come
+    dequantized = 0
     progress = tqdm(
         named,
         total=num_tensors,
@@ -150,6 +192,23 @@ def _load_weights(
         disable=not sys.stderr.isatty(),
     )
     for name, tensor, source in progress:
+        if config.fp8 is not None and name.endswith(INPUT_SCALES):
+            check_input_scale(name, tensor)
+            continue
+        if config.fp8 is not None and name.endswith(WEIGHT_SCALES):
+            name = name.rpartition(".")[0] + ".weight"  # the weight it scales
+            scales[name] = tensor
+            if name not in waiting:
+                continue
+            tensor, source = waiting.pop(name)
+        elif tensor.dtype == FP8 and name not in scales:
+            waiting[name] = (tensor, source)
+            continue
+        elif tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point and tensor.dtype != FP8:
+            raise ModelLoadError(
+                f"tensor {name!r} in {source} is {tensor.dtype}; of the 8-bit floats only "
+                "float8_e4m3fn is supported"
+            )
         if name not in pieces:
             if _is_ignored(name, config):
                 continue
@@ -160,6 +219,24 @@ def _load_weights(
             raise ModelLoadError(
                 f"tensor {name!r} in {source} has shape {tuple(tensor.shape)}, expected {expected}"
             )
+        if params[param].dtype == FP8:  # an Fp8Linear's weight, and its row scales beside it
+            scale_param = param + "_scale"
+            tensor, row_scales = _fp8_rows(config.fp8, name, tensor, scales.get(name), device)
+            for target, value in ((param, tensor), (scale_param, row_scales)):
+                if rows is None:
+                    weights[target] = value.contiguous()
+                else:
+                    if target not in weights:
+                        weights[target] = torch.empty(
+                            shapes[target], dtype=value.dtype, device=device
+                        )
+                    weights[target][rows].copy_(value)
+            loaded.add(name)
+            continue
+        if tensor.dtype == FP8:
+            assert config.fp8 is not None
+            tensor = config.fp8.dequantize(name, tensor.to(device), scales[name].to(device))
+            dequantized += 1
         if rows is None:
             weights[param] = tensor.to(device=device, dtype=dtype).contiguous()
         else:
@@ -168,13 +245,78 @@ def _load_weights(
             weights[param][rows].copy_(tensor)
         loaded.add(name)
 
+    if waiting:
+        raise ModelLoadError(
+            f"fp8 tensor {next(iter(waiting))!r} has no weight_scale_inv or weight_scale"
+        )
     missing = [name for name in pieces if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    if dequantized:
+        log.info(
+            "%d fp8 tensors dequantized to %s: no fp8 matmul takes them here", dequantized, dtype
+        )
     return weights
+
+
+def _fp8_rows(
+    fp8: Fp8Checkpoint | None,
+    name: str,
+    tensor: torch.Tensor,
+    scale: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint piece of an Fp8Linear's weight as fp8 rows and one scale per row: an fp8
+    tensor's own scales (fp8.rows), or a 16/32-bit tensor quantized here."""
+    tensor = tensor.to(device)
+    if tensor.dtype != FP8:
+        return quantized(tensor)
+    assert fp8 is not None and scale is not None
+    return fp8.rows(name, tensor, scale.to(device))
+
+
+def _fp8_projections(
+    model: LlamaForCausalLM, config: ModelConfig, fp8_names: set[str], quantize: bool
+) -> set[str]:
+    """The projections to build as Fp8Linear: all of them when quantizing on load, else
+    those whose checkpoint pieces are all fp8; each only where the fp8 matmul takes its shape."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    parts: dict[str, list[str]] = {}
+    for name, (param, _) in checkpoint_pieces(shapes, config).items():
+        parts.setdefault(param, []).append(name)
+    chosen = set()
+    for name, module in model.named_modules():
+        if not (isinstance(module, Linear) and name.rpartition(".")[2] in PROJECTIONS):
+            continue
+        if not fp8_linear_fits(module.out_features, module.in_features):
+            continue
+        if quantize or all(part in fp8_names for part in parts[f"{name}.weight"]):
+            chosen.add(name)
+    return chosen
+
+
+def _refuse_fp8_experts(config: ModelConfig, quantization: str | None) -> None:
+    """Where fp8 runs, a mixture of experts' experts would need an fp8 grouped GEMM."""
+    why = f"{config.architecture}'s experts have no fp8 kernel; serve its bf16 checkpoint"
+    if quantization is not None:
+        raise ValidationError("quantization", f"fp8 is not supported for {why}")
+    if config.fp8 is not None:
+        raise ModelLoadError(f"fp8 checkpoints are not supported on CUDA for {why}")
+
+
+def _fp8_tensor_names(files: list[Path]) -> set[str]:
+    """The checkpoint's float8_e4m3fn tensors, read off the files' headers."""
+    names = set()
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                names.update(k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3")
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+    return names
 
 
 def _random_weights(
@@ -185,6 +327,14 @@ def _random_weights(
     generator = torch.Generator(device).manual_seed(0)
     weights = {}
     for name, param in model.named_parameters():
+        if param.dtype == FP8:  # an Fp8Linear: drawn as the others, then quantized
+            weight = torch.empty(param.shape, dtype=dtype, device=device)
+            weights[name], weights[name + "_scale"] = quantized(
+                weight.normal_(0.0, 0.02, generator=generator)
+            )
+            continue
+        if name in weights:  # an Fp8Linear's row scales
+            continue
         weight = torch.empty(param.shape, dtype=dtype, device=device)
         if param.dim() > 1:
             weight.normal_(0.0, 0.02, generator=generator)

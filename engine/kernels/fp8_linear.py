@@ -1,0 +1,63 @@
+"""fp8 projections on CUDA: out = x @ W^T with W in float8_e4m3fn, one scale per output row.
+
+x is quantized per token on the fly (each row's amax mapped to e4m3's largest value, 448),
+then torch._scaled_mm's rowwise recipe multiplies the two fp8 operands on the tensor cores
+and applies both scale vectors (scale_a [M, 1], scale_b [1, N], float32) in its epilogue.
+That recipe writes bfloat16 only, so a float16 model's output is cast once more. Nothing
+reads a value back to the host, so a decode step with fp8 projections is captured in a
+CUDA graph like any other.
+
+`quantize_rows` is also how weights become fp8 on load (engine/model/fp8.py): a weight's
+output rows are a matrix's rows as a token's features are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# An all-zero row gets this amax instead of 0: its scale stays finite, its values 0.
+_MIN_AMAX = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]) with x ~= q * scale.
+
+    Five kernels: the rows' amax (the infinity norm, in float32, in one pass), the scales,
+    and x / scale (a 16-bit x promoted to float32 in the same kernel), clamped in place so a
+    quotient rounded past 448 cannot become NaN (e4m3fn has no infinity), cast to fp8."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = amax.clamp_(min=_MIN_AMAX).div_(FP8_MAX)
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (16-bit float) @ (weight [N, K] fp8 * weight_scale [N, 1])^T (+ bias [N]),
+    in x's dtype. N and K must be multiples of 16 (fp8_linear_fits)."""
+    x_fp8, x_scale = quantize_rows(x.contiguous())  # the fp8 GEMM takes row-major x only
+    out = torch._scaled_mm(
+        x_fp8,
+        weight.t(),  # column-major, as the fp8 GEMM wants its second operand
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),
+        out_dtype=torch.bfloat16,
+    )
+    if bias is not None:
+        out = out + bias
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def fp8_linear_fits(out_features: int, in_features: int) -> bool:
+    """Whether fp8_linear takes a weight of this shape (the fp8 GEMM's alignment)."""
+    return out_features % 16 == 0 and in_features % 16 == 0
+
+
+def fp8_linear_runs(device: torch.device) -> bool:
+    """Whether the device has fp8 tensor cores: CUDA of compute capability 8.9 (Ada) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
