@@ -9,7 +9,6 @@ import torch
 from engine.errors import ValidationError
 from engine.model_hub import HubModel
 
-
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3")
 
 
