@@ -66,11 +66,11 @@ def test_store_kv_torch_quantizes_each_tensor_by_its_scale_and_skips_padding():
     assert dequantize(cache[:, 0], 0.5).abs().max() == FP8_MAX * 0.5
 
 
-def a_step(device: str = "cpu") -> tuple[AttentionMetadata, int]:
-    """Decodes, a whole prompt and a chunk behind a cached prefix, over scattered blocks of
-    8 tokens: the metadata and the number of blocks it touches."""
-    query_lens, seq_lens = [1, 1, 1, 13, 6], [5, 40, 23, 13, 30]
-    block_size, tables, next_block = 8, [], 0
+def a_step(device: str = "cpu", block_size: int = 8) -> tuple[AttentionMetadata, int]:
+    """Decodes (first, as the scheduler puts them), a whole prompt and a chunk behind a
+    cached prefix, over scattered blocks: the metadata and the number of blocks it spans."""
+    query_lens, seq_lens = [1, 1, 1, 13, 6], [5, 40, 230, 13, 130]
+    tables, next_block = [], 0
     for n in seq_lens:
         count = -(-n // block_size)
         tables.append([2 * (next_block + i) + 1 for i in range(count)])  # every other block
