@@ -9,6 +9,8 @@ import torch
 from engine.errors import ValidationError
 from engine.model_hub import HubModel
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -24,6 +26,9 @@ class CacheConfig:
     # On CUDA: the share of the GPU's memory this engine may use, KV pool included.
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # What the KV pool holds: auto (the model's dtype), bfloat16, float16 or fp8_e4m3
+    # (half the bytes of a 16-bit pool; engine/kv/fp8.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -40,6 +45,11 @@ class CacheConfig:
             raise ValidationError(
                 "gpu_memory_utilization",
                 f"must be in (0, 1], got {self.gpu_memory_utilization}",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValidationError(
+                "kv_cache_dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
             )
 
 

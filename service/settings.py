@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args, get_type_hints
 
 from engine.config import (
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -214,6 +215,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _setting("engine", "num_blocks", "KV blocks; unset: sized from memory"),
     _setting("engine", "kv_cache_memory_gib", "KV pool size on the CPU when num_blocks is unset"),
+    _setting(
+        "engine",
+        "kv_cache_dtype",
+        "what the KV pool holds: auto (the model's dtype), bfloat16, float16, or fp8_e4m3 "
+        "(twice the tokens; CUDA needs sm89 or later)",
+        choices=KV_CACHE_DTYPES,
+    ),
     _setting(
         "engine",
         "gpu_memory_utilization",

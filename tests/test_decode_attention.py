@@ -240,6 +240,53 @@ def test_windowed_decode_equals_the_torch_backends_window(target, case):
     assert not torch.allclose(out.float()[-1], whole.float()[-1], atol=5e-2)
 
 
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("window", [None, 40])
+def test_fp8_decode_equals_the_torch_backends_fp8_emulation(target, window):
+    """An fp8 pool with scales other than 1 (K's folded into the softmax scale, V's into
+    the output), several chunks a sequence, GQA: what the torch backend computes in float32
+    from the same pool, up to the kernel's bf16 rounding."""
+    from engine.attention.base import AttentionMetadata
+    from engine.attention.torch_backend import TorchPagedAttention
+    from engine.kernels.decode_attention import DecodeWorkspace, paged_decode_attention
+    from engine.kv.fp8 import quantize
+
+    heads, kv_heads, head_dim, page = 4, 2, 32, 16
+    lens, k_scale, v_scale = [5, 300, 133], 0.03, 2.5
+    device = "cuda" if target == "cuda" else "cpu"
+    rng = random.Random(7)
+    pages = [-(-n // page) for n in lens]
+    num_blocks = sum(pages) + 2
+    order = rng.sample(range(num_blocks), num_blocks)
+    tables = [order[sum(pages[:i]) : sum(pages[: i + 1])] for i in range(len(lens))]
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(num_blocks, 2, page, kv_heads, head_dim, generator=gen)
+    kv_cache = torch.stack([quantize(kv[:, 0], k_scale), quantize(kv[:, 1], v_scale)], 1)
+    kv_cache = kv_cache.to(device)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16).to(device)
+    meta = AttentionMetadata.from_block_tables(
+        [1] * len(lens),
+        lens,
+        tables,
+        torch.zeros(len(lens), dtype=torch.int64, device=device),
+        page,
+    )
+    work = DecodeWorkspace(len(lens), heads, head_dim, 4, device, window=window)
+    first_pages = np.append(meta.slots * meta.block_table.shape[1], 0).astype(np.int32)
+    work.plan.copy_(torch.from_numpy(work.host_plan(meta.seq_lens, first_pages)))
+    assert work.split[0].item() > len(lens) or window is not None  # sequences split
+    scale = head_dim**-0.5
+    out = paged_decode_attention(
+        q, kv_cache, meta.block_table.view(-1), work, scale, k_scale=k_scale, v_scale=v_scale
+    )
+    expected = TorchPagedAttention().forward(
+        q, kv_cache, meta, scale, window, k_scale=k_scale, v_scale=v_scale
+    )
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    unscaled = TorchPagedAttention().forward(q, kv_cache, meta, scale, window)
+    assert not torch.allclose(out.float(), unscaled.float(), atol=0.1)  # the scales mattered
+
+
 class GraphDecodeBeside:
     """Decode steps through TritonGraphDecode (the CUDA-graph decode, run here by the
     interpreter), every other step through the torch backend: CudaAttention's split with
@@ -265,14 +312,14 @@ class GraphDecodeBeside:
         self._planned_for = None
         self.graph_steps = 0
 
-    def forward(self, q, kv_cache, meta, scale, window=None):
+    def forward(self, q, kv_cache, meta, scale, window=None, k_scale=1.0, v_scale=1.0):
         if self._planned_for is not meta:  # PagedRunner drives the model without plan()
             self._planned_for, decode = meta, bool((meta.query_lens == 1).all())
             self._backend = self.graph_decode if decode else self.eager
             if decode:
                 self.graph_decode.plan(meta)
                 self.graph_steps += 1
-        return self._backend.forward(q, kv_cache, meta, scale, window)
+        return self._backend.forward(q, kv_cache, meta, scale, window, k_scale, v_scale)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_decode_attention_in_the_interpreter")

@@ -65,8 +65,17 @@ def test_greedy_matches_transformers(tiny_llama, llm):
     assert_pool_empty(llm)
 
 
-def test_batch_invariance_with_chunking_prefix_caching_and_preemption(tiny_llama, async_scheduling):
-    solo = LLM(str(tiny_llama), num_blocks=512, block_size=4, async_scheduling=False)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_batch_invariance_with_chunking_prefix_caching_and_preemption(
+    tiny_llama, async_scheduling, kv_cache_dtype
+):
+    solo = LLM(
+        str(tiny_llama),
+        num_blocks=512,
+        block_size=4,
+        async_scheduling=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     vocab = solo.engine.model_config.vocab_size
     shared = random_prompts(1, vocab, seed=5, lo=20, hi=20)[0]
     prompts = random_prompts(16, vocab, seed=2, lo=3, hi=60)
@@ -82,7 +91,9 @@ def test_batch_invariance_with_chunking_prefix_caching_and_preemption(tiny_llama
         block_size=4,
         max_num_batched_tokens=24,
         async_scheduling=async_scheduling,
+        kv_cache_dtype=kv_cache_dtype,
     )
+    assert pressured.engine.runner.kv_caches[0].dtype == solo.engine.runner.kv_dtype
     got = [o.outputs[0].token_ids for o in pressured.generate(prompts, params)]
     assert got == expected
     engine = pressured.engine

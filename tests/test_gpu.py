@@ -171,11 +171,16 @@ def test_a_share_too_small_for_the_kv_pool_is_a_clear_error(model_dir):
 
 
 def teacher_forced_logits(
-    model_dir: Path, device: str, dtype: torch.dtype, tokens: list[list[int]]
+    model_dir: Path,
+    device: str,
+    dtype: torch.dtype,
+    tokens: list[list[int]],
+    kv_dtype: torch.dtype | None = None,  # the KV pool's; None: dtype
 ) -> list[torch.Tensor]:
     """Every position's logits [len, vocab] (float32, CPU) for each sequence of `tokens`,
     computed in steps that mix everything a step can hold: a prompt, a chunk over a cached
     prefix, decodes before a prefill (the scheduler's order) and one after it."""
+    kv_dtype = kv_dtype or dtype
     attn = CudaAttention(torch.device(device)) if device == "cuda" else TorchPagedAttention()
     model, config = load_model(model_dir, dtype, device, attn)
     attn.configure(
@@ -185,13 +190,16 @@ def teacher_forced_logits(
         dtype,
         config.attention_scale,
         config.attention_windows,
+        kv_dtype,
     )
     length = len(tokens[0])
     pages = -(-length // BLOCK_SIZE)
     order = torch.randperm(2 * pages + 1, generator=torch.Generator().manual_seed(0)).tolist()
     tables = [order[:pages], order[pages : 2 * pages]]  # scattered blocks; one never used
     shape = (2 * pages + 1, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    kv_caches = [
+        torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_layers)
+    ]
 
     # Sequence 0: prompt 0:100, chunk 100:160, then decodes. Sequence 1 arrives at step 12:
     # a 64-token prompt beside a decode, then a chunk placed *before* sequence 0's decode.

@@ -393,6 +393,60 @@ def test_triton_rotary_and_store_kv(
         assert_pools_close(cache, expected, dtype, target)
 
 
+def e4m3_grid_inputs(
+    tokens: int, heads: tuple[int, int, int], dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v, cos, sin whose rotation leaves k alone (cos 1, sin 0) and whose k and v are
+    e4m3 values, some past +-448: stored under power-of-two scales they need no rounding,
+    so the kernel's store must equal the torch path's bit for bit."""
+    q, k, v, cos, sin = qkv_inputs(tokens, heads, dtype, device)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].to(device)
+    for x in (k, v):
+        picks = torch.randint(len(grid), x.shape, device=device)
+        x.copy_(grid[picks])
+        x[1, 0, :4] = torch.tensor([1000.0, -1000.0, 449.0, -460.0])  # row 1 is stored: clamped
+    return q, k, v, torch.ones_like(cos), torch.zeros_like(sin)
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_rotary_stores_an_fp8_pool_as_the_torch_path(target: str, dtype) -> None:
+    """Each scale divides its own tensor, values are clamped to +-448 and the padding
+    rows go nowhere. On e4m3 values the store is exact (Triton's interpreter rounds other
+    values to fp8 wrongly, so rounding itself is checked on the GPU: to nearest, as torch,
+    and at most one e4m3 step from it where float32 division differs)."""
+    from engine.kernels import triton_kernels
+
+    device = "cuda" if target == "cuda" else "cpu"
+    heads = (9, 3, 64)
+    for k_scale, v_scale in ((1.0, 1.0), (0.25, 4.0)):
+        q, k, v, cos, sin = e4m3_grid_inputs(7, heads, dtype, device)
+        k *= k_scale
+        v *= v_scale
+        cache, slots = kv_pool(7, heads[1], heads[2], torch.float8_e4m3fn, device)
+        expected = cache.clone()
+        args = (None, None, EPS, k_scale, v_scale)
+        want = rotary_and_store_kv_torch(q, k, v, cos, sin, expected, slots, *args)
+        got = triton_kernels.rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *args)
+        torch.testing.assert_close(got, want, **rotary_tolerance(dtype, target))
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+        block, offset = divmod(int(slots[1]), cache.shape[2])
+        for kv in (0, 1):
+            assert cache[block, kv, offset, 0, :4].float().tolist() == [448, -448, 448, -448]
+    if target != "cuda":
+        return
+    q, k, v, cos, sin = qkv_inputs(256, heads, dtype, device)
+    cache, slots = kv_pool(256, heads[1], heads[2], torch.float8_e4m3fn, device)
+    expected = cache.clone()
+    args = (None, None, EPS, 0.3, 1.7)
+    rotary_and_store_kv_torch(q, k, v, cos, sin, expected, slots, *args)
+    triton_kernels.rotary_and_store_kv(q, k, v, cos, sin, cache, slots, *args)
+    differ = cache.view(torch.uint8) != expected.view(torch.uint8)
+    assert differ.float().mean() < 1e-3
+    torch.testing.assert_close(cache.float(), expected.float(), rtol=0.125, atol=2**-9)
+
+
 @pytest.mark.parametrize("target", TRITON_TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_exponential_race_picks_what_the_torch_race_picks(

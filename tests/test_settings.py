@@ -164,6 +164,7 @@ SAMPLES = {
     "block_size": 32,
     "num_blocks": 9,
     "kv_cache_memory_gib": 2.5,
+    "kv_cache_dtype": "fp8_e4m3",
     "gpu_memory_utilization": 0.5,
     "enable_prefix_caching": False,
     "max_num_seqs": 3,

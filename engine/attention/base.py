@@ -13,7 +13,9 @@ KV pool, one tensor per layer, flashinfer's NHD paged layout:
 Token t of sequence i lives in block block_table[slots[i], t // block_size] at offset
 t % block_size: block_table is the persistent batch's (engine/core/batch.py), one row per
 slot. slot_mapping[row] = block_id * block_size + offset is where a new row's K/V are
-written; a slot of -1 means "write nowhere" (padding rows).
+written; a slot of -1 means "write nowhere" (padding rows). The pool holds the model's
+dtype, another 16-bit one, or fp8 (e4m3) with one scale for K and one for V per layer,
+which the layer hands to forward() (engine/kv/fp8.py says what is stored and how it reads).
 
 The model writes the new rows' K/V into the pool itself, in the same op that rotates q and
 k (engine/kernels/rotary.py's rotary_and_store_kv), so a backend reads K and V only from
@@ -93,10 +95,11 @@ class AttentionBackend(Protocol):
         dtype: torch.dtype,
         scale: float | None = None,  # the softmax scale forward() gets; None: head_dim**-0.5
         windows: Sequence[int | None] = (None,),  # every window forward() gets; None: global
+        kv_dtype: torch.dtype | None = None,  # the KV pool's dtype; None: dtype
     ) -> None:
         """Once, when the model's head shape and dtype are known (ModelConfig's
-        attention_scale and attention_windows): a backend that plans ahead plans for
-        exactly these."""
+        attention_scale and attention_windows) and the pool's: a backend that plans ahead
+        plans for exactly these."""
         ...
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -110,6 +113,8 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,  # this layer's sliding window; None = global
+        k_scale: float = 1.0,  # an fp8 pool's: K reads as float(stored) * k_scale
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
         """Attend causally over kv_cache, which already holds this step's new rows."""
         ...

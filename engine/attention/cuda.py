@@ -32,9 +32,10 @@ class CudaAttention:
         dtype: torch.dtype,
         scale: float | None = None,
         windows: Sequence[int | None] = (None,),
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         for backend in (self.eager, self.graph_decode):
-            backend.configure(num_q_heads, num_kv_heads, head_dim, dtype, scale, windows)
+            backend.configure(num_q_heads, num_kv_heads, head_dim, dtype, scale, windows, kv_dtype)
 
     def graph_workspace_bytes(self, batch_sizes: Sequence[int]) -> int:
         return self.graph_decode.graph_workspace_bytes(batch_sizes)
@@ -53,5 +54,7 @@ class CudaAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        return self._planned.forward(q, kv_cache, meta, scale, window)
+        return self._planned.forward(q, kv_cache, meta, scale, window, k_scale, v_scale)

@@ -19,6 +19,10 @@ step on the same page tables, and forward() runs the set of its layer's window. 
 steps in CUDA graphs run engine/attention/triton_decode.py instead
 (engine/attention/cuda.py picks).
 
+An fp8 pool (engine/kv/fp8.py) is planned as such (kv_data_type), q staying in the model's
+dtype; each layer's K and V scales go to run(), which folds the K scale into the softmax
+scale and multiplies the output by the V scale.
+
 flashinfer is imported only when the backend is configured, so this module imports (and
 its planning math is tested) on machines without it.
 """
@@ -169,13 +173,15 @@ class FlashInferAttention(EagerOnly):
         dtype: torch.dtype,
         scale: float | None = None,
         windows: Sequence[int | None] = (None,),
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """Create the wrappers once the model's head shape, dtype, softmax scale and
-        windows are known."""
+        windows, and the KV pool's dtype, are known."""
         import flashinfer
 
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # What the model passes to forward(); checked there, as the plans bake it in.
         self.scale = head_dim**-0.5 if scale is None else scale
         # "Must be initialized to 0 for its first use" (flashinfer); shared by every wrapper
@@ -244,7 +250,7 @@ class FlashInferAttention(EagerOnly):
                     window_left=wrappers.window_left,
                     sm_scale=self.scale,
                     q_data_type=self.dtype,
-                    kv_data_type=self.dtype,
+                    kv_data_type=self.kv_dtype,
                     non_blocking=True,
                 )
         self._plan_copied.record()
@@ -274,7 +280,7 @@ class FlashInferAttention(EagerOnly):
             window_left=window_left,
             sm_scale=self.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
             non_blocking=True,
         )
 
@@ -287,16 +293,23 @@ class FlashInferAttention(EagerOnly):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         assert scale == self.scale, "flashinfer was planned with the model's softmax scale"
         wrappers = self._wrappers[window]  # planned for each window configure() was given
         rows = self._num_decode_rows
+        # None where 1.0: run() multiplies its output by a V scale in a kernel of its own.
+        scales = {
+            "k_scale": None if k_scale == 1.0 else k_scale,
+            "v_scale": None if v_scale == 1.0 else v_scale,
+        }
         if rows == q.shape[0]:
-            return wrappers.decode.run(q, kv_cache)
+            return wrappers.decode.run(q, kv_cache, **scales)
         out = torch.empty_like(q)
         if rows:
-            wrappers.decode.run(q[:rows], kv_cache, out=out[:rows])
-        wrappers.prefill.run(q[rows:], kv_cache, out=out[rows:])
+            wrappers.decode.run(q[:rows], kv_cache, out=out[:rows], **scales)
+        wrappers.prefill.run(q[rows:], kv_cache, out=out[rows:], **scales)
         return out
 
 

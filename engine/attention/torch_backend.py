@@ -13,7 +13,9 @@ GQA without repeating K/V: SDPA's enable_gqa for a whole prompt; elsewhere the G
 query heads that share a KV head are folded into the query-length axis, so SDPA sees Hkv
 heads of G * q_len query rows each. Every call passes 4-D inputs: on the CPU only those
 take the flash kernel, 3-D ones the much slower math path. Math runs in float32 whatever
-the cache dtype.
+the cache dtype: an fp8 pool's K and V are read as float32 times the layer's scales
+(engine/kv/fp8.py's dequantize), the semantics the CUDA kernels implement and are tested
+against.
 
 A sliding-window layer narrows the same masks to its window (AttentionPlan.for_window);
 it still reads each sequence's whole KV, which is exact (keeping every block is too).
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, EagerOnly
+from engine.kv.fp8 import dequantize
 
 DECODE_GROUP_SIZE = 4
 
@@ -108,8 +111,9 @@ class TorchPagedAttention(EagerOnly):
         dtype: torch.dtype,
         scale: float | None = None,
         windows: Sequence[int | None] = (None,),
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        pass  # it reads the head shape, scale and window off each forward's inputs
+        pass  # it reads the head shape, scales, window and pool off each forward's inputs
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._plan, self._planned_for = plan_attention(meta), meta
@@ -121,27 +125,35 @@ class TorchPagedAttention(EagerOnly):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if self._planned_for is not meta:  # a caller that drives the model without plan()
             self.plan(meta)
         plan = self._plan.for_window(window)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
         for group in plan.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
+            keys, values = gather_blocks(
+                kv_cache, group.block_table, group.rows.numel(), group.max_len, k_scale, v_scale
+            )
+            out[group.rows] = self._decode(q[group.rows], keys, values, group, scale)
         for prefill in plan.prefills:
+            keys, values = gather_blocks(
+                kv_cache, prefill.block_table, 1, prefill.seq_len, k_scale, v_scale
+            )
             out[prefill.start : prefill.end] = self._prefill(
-                q[prefill.start : prefill.end], kv_cache, prefill, scale
+                q[prefill.start : prefill.end], keys, values, prefill, scale
             )
         return out
 
     def _decode(
         self,
         q: torch.Tensor,  # [G, Hq, D], one row per decoding sequence
-        kv_cache: torch.Tensor,
+        keys: torch.Tensor,  # float32 [G, max_len, Hkv, D]
+        values: torch.Tensor,
         group: DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        keys, values = gather_blocks(kv_cache, group.block_table, group.rows.numel(), group.max_len)
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         heads_per_kv = num_q_heads // num_kv_heads
@@ -149,8 +161,8 @@ class TorchPagedAttention(EagerOnly):
         # That is safe because the pool only ever holds finite values (store_kv_torch).
         out = F.scaled_dot_product_attention(
             q.float().reshape(batch, num_kv_heads, heads_per_kv, head_dim),
-            keys.float().transpose(1, 2),  # [G, Hkv, L, D]
-            values.float().transpose(1, 2),
+            keys.transpose(1, 2),  # [G, Hkv, L, D]
+            values.transpose(1, 2),
             attn_mask=group.key_valid,
             scale=scale,
         )
@@ -159,14 +171,14 @@ class TorchPagedAttention(EagerOnly):
     def _prefill(
         self,
         q: torch.Tensor,  # [q_len, Hq, D], this sequence's new rows
-        kv_cache: torch.Tensor,
+        keys: torch.Tensor,  # float32 [1, seq_len, Hkv, D]
+        values: torch.Tensor,
         prefill: Prefill,
         scale: float,
     ) -> torch.Tensor:
         q_len, num_q_heads, head_dim = q.shape
-        keys, values = gather_blocks(kv_cache, prefill.block_table, 1, prefill.seq_len)
-        keys = keys.float().transpose(1, 2)  # [1, Hkv, L, D]
-        values = values.float().transpose(1, 2)
+        keys = keys.transpose(1, 2)  # [1, Hkv, L, D]
+        values = values.transpose(1, 2)
         num_kv_heads = keys.shape[1]
 
         if prefill.causal is None:  # the whole prompt: SDPA's causal rule is ours
@@ -249,14 +261,20 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, batch: int, length: int
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    batch: int,
+    length: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh copies of the keys and values of `batch` sequences whose blocks are listed row
-    after row in the flat `block_table`, each [batch, length, Hkv, D]. Past a sequence's own
-    length they hold whatever its blocks held."""
+    """The keys and values of `batch` sequences whose blocks are listed row after row in the
+    flat `block_table`, each float32 [batch, length, Hkv, D] (an fp8 pool's times its
+    scales). Past a sequence's own length they hold whatever its blocks held."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     # index_select copies whole blocks; on the CPU it is ~4x faster than advanced indexing.
     keys = torch.index_select(kv_cache[:, 0], 0, block_table)  # [batch * blocks, bs, Hkv, D]
     values = torch.index_select(kv_cache[:, 1], 0, block_table)
     shape = (batch, -1, num_kv_heads, head_dim)
-    return keys.view(shape)[:, :length], values.view(shape)[:, :length]
+    keys, values = keys.view(shape)[:, :length], values.view(shape)[:, :length]
+    return dequantize(keys, k_scale), dequantize(values, v_scale)

@@ -40,6 +40,7 @@ class TritonGraphDecode:
         dtype: torch.dtype,
         scale: float | None = None,
         windows: Sequence[int | None] = (None,),
+        kv_dtype: torch.dtype | None = None,  # the kernel reads any pool's as it finds it
     ) -> None:
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.windows = tuple(dict.fromkeys(windows))
@@ -83,11 +84,15 @@ class TritonGraphDecode:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         from engine.kernels.decode_attention import paged_decode_attention
 
         work = self._step[window]  # a workspace for each window configure() was given
-        return paged_decode_attention(q, kv_cache, self._kv_indices, work, scale)
+        return paged_decode_attention(
+            q, kv_cache, self._kv_indices, work, scale, k_scale=k_scale, v_scale=v_scale
+        )
 
 
 @functools.cache

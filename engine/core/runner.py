@@ -122,12 +122,14 @@ class ModelRunner:
         attn: AttentionBackend,
         num_slots: int,
         max_model_len: int,
+        kv_dtype: torch.dtype | None = None,  # the KV pool's; None: dtype
     ):
         """Give it kv_caches (engine/kv/pool.py) before the first step."""
         self.model = model
         self.config = model_config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.block_size = block_size
         self.attn = attn
         # Positions 0 .. max_model_len: a sequence at the limit still writes its last token.

@@ -13,9 +13,10 @@ from engine.config import EngineConfig
 from engine.core.cuda_graphs import CudaGraphRunner, graph_batch_sizes, graph_memory_reserve
 from engine.core.kernel_cache import apply_kernel_cache_dir
 from engine.core.runner import ModelRunner
-from engine.kv.pool import allocate_kv_pool, kv_bytes_per_block, num_kv_blocks
+from engine.kv.fp8 import FP8_DTYPE, read_kv_scales, set_kv_scales
+from engine.kv.pool import allocate_kv_pool, kv_bytes_per_block, kv_cache_dtype, num_kv_blocks
 from engine.model.config import ModelConfig
-from engine.model.loader import load_model
+from engine.model.loader import load_model, safetensors_files
 from engine.model_store import resolve_model
 from engine.stats import EngineInfo, StartupTimes
 from engine.text.tokenizer import Tokenizer
@@ -41,6 +42,7 @@ def start_up(config: EngineConfig) -> EngineParts:
     model_path = resolve_model(config.model, config.revision, config.download_dir)
     tokenizer = Tokenizer.from_path(model_path)
     device, dtype = config.torch_device, config.torch_dtype
+    kv_dtype = kv_cache_dtype(config)  # before the load: a pool that cannot run fails first
     if device.type == "cuda":
         from engine.attention.cuda import CudaAttention
 
@@ -55,8 +57,16 @@ def start_up(config: EngineConfig) -> EngineParts:
         random_weights=config.load_format == "dummy",
         quantization=config.quantization,
     )
+    if kv_dtype == FP8_DTYPE and model_path.is_dir() and config.load_format != "dummy":
+        set_kv_scales(model, read_kv_scales(safetensors_files(model_path), mc.num_layers))
     attn.configure(
-        mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, mc.attention_scale, mc.attention_windows
+        mc.num_heads,
+        mc.num_kv_heads,
+        mc.head_dim,
+        dtype,
+        mc.attention_scale,
+        mc.attention_windows,
+        kv_dtype,
     )
     loaded = time.monotonic()
     log.info("model loaded in %.2f s: %s", loaded - started, model_path)
@@ -64,7 +74,9 @@ def start_up(config: EngineConfig) -> EngineParts:
     sched, block_size = config.scheduler, config.block_size
     use_graphs = attn.supports_cuda_graphs and not config.enforce_eager
     model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    runner = ModelRunner(model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len)
+    runner = ModelRunner(
+        model, mc, block_size, device, dtype, attn, sched.max_num_seqs, model_len, kv_dtype
+    )
     graph_sizes = graph_batch_sizes(sched.max_num_seqs)
     graph_bytes = graph_memory_reserve(graph_sizes, attn) if use_graphs else 0
     num_blocks = num_kv_blocks(config, runner, graph_bytes)
@@ -92,14 +104,15 @@ def start_up(config: EngineConfig) -> EngineParts:
     )
     max_model_len = min(model_len, pool_tokens)
     log.info(
-        "engine ready: %s on %s/%s, KV pool %d blocks of %d tokens (%.2f GiB, %d tokens), "
+        "engine ready: %s on %s/%s, KV pool %d blocks of %d tokens (%s, %.2f GiB, %d tokens), "
         "max_model_len %d, %s",
         mc.architecture,
         device,
         dtype,
         num_blocks,
         block_size,
-        num_blocks * kv_bytes_per_block(mc, block_size, dtype) / 2**30,
+        str(kv_dtype).removeprefix("torch."),
+        num_blocks * kv_bytes_per_block(mc, block_size, kv_dtype) / 2**30,
         pool_tokens,
         max_model_len,
         "CUDA graphs" if use_graphs else "eager",

@@ -24,6 +24,11 @@ layers get a workspace of their own, whose plan splits those window lengths and 
 sequence the position its window starts at (kv_starts): the kernel adds it to every
 chunk's token positions, so both kinds of layer replay in one graph with no host work
 between them.
+
+An fp8 pool (engine/kv/fp8.py) is read as it is stored: each K and V tile is converted to
+q's dtype (exact: every e4m3 value is a bfloat16 and a float16), the layer's K scale is
+folded into the softmax scale (scores are linear in K) and its V scale multiplies the
+output (which is linear in V), partial outputs included, so the merge is unchanged.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def decode_split(seq_lens: np.ndarray, target_items: int, granule: int) -> Decod
     return DecodeSplit(chunk, item_seq, item_chunk, indptr)
 
 
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=["scale", "v_scale"])
 def _decode_chunk_kernel(
     q_ptr,
     q_stride_tok,
@@ -117,7 +122,8 @@ def _decode_chunk_kernel(
     out_ptr,  # [B, num_q_heads, HEAD_DIM], contiguous
     part_out_ptr,  # float32 [capacity, num_q_heads, HEAD_DIM]
     part_lse_ptr,  # float32 [capacity, num_q_heads], log2 units
-    scale,
+    scale,  # the softmax scale times the K scale
+    v_scale,
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,  # GROUP padded to a tensor-core tile
     HEAD_DIM: tl.constexpr,
@@ -171,8 +177,8 @@ def _decode_chunk_kernel(
             + dims[None, :]
         )
         kv_ok = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_at, mask=kv_ok, other=0.0)
-        v = tl.load(k_at + kv_stride_kv, mask=kv_ok, other=0.0)
+        k = tl.load(k_at, mask=kv_ok, other=0.0).to(q.dtype)
+        v = tl.load(k_at + kv_stride_kv, mask=kv_ok, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)  # log2 units
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -182,7 +188,7 @@ def _decode_chunk_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    acc = acc / denom[:, None]
+    acc = acc / denom[:, None] * v_scale
     at = heads[:, None] * HEAD_DIM + dims[None, :]
     ok = row_ok[:, None] & dim_ok[None, :]
     num_heads = tl.num_programs(0) * GROUP
@@ -315,6 +321,8 @@ def paged_decode_attention(
     work: DecodeWorkspace,  # its plan loaded for these B sequences
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,  # an fp8 pool's scales (engine/kv/fp8.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -345,7 +353,8 @@ def paged_decode_attention(
         out,
         work.part_out,
         work.part_lse,
-        scale,
+        scale * k_scale,
+        v_scale,
         GROUP=group,
         GROUP_ROWS=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,

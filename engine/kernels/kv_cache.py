@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv.fp8 import to_pool
+
 
 def store_kv_torch(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # int64 [T]
+    k_scale: float = 1.0,  # an fp8 pool's scales (engine/kv/fp8.py); other pools ignore them
+    v_scale: float = 1.0,
 ) -> None:
-    """Store each row's k and v at its slot, cast to the pool's dtype; slot -1 goes nowhere.
+    """Store each row's k and v at its slot, cast to the pool's dtype (an fp8 pool's:
+    divided by the scale, clamped, rounded); slot -1 goes nowhere.
 
     Non-finite values are clamped on the way in, so the pool only ever holds finite
     numbers: the torch attention backend masks stale slots instead of clearing them, and
@@ -33,5 +38,5 @@ def store_kv_torch(
         k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = torch.nan_to_num(k).to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = torch.nan_to_num(v).to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = to_pool(torch.nan_to_num(k), kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, offsets] = to_pool(torch.nan_to_num(v), kv_cache.dtype, v_scale)

@@ -7,7 +7,9 @@ engine/model/rope.py looks up those angles' cos and sin once per step.
 
 Numerics follow Hugging Face: the norm exactly as engine/kernels/norm.py computes it
 (float32 statistics, rounded to the dtype, times the weight), then the rotation in float32
-of that rounded value, cast back; k is then cast to the pool's dtype as it is stored. The
+of that rounded value, cast back; k is then cast to the pool's dtype as it is stored (an
+fp8 pool's: divided by the layer's scale in float32, clamped to +-448 and rounded to e4m3,
+engine/kv/fp8.py; v alike). The
 attention backends read K and V only from the pool, so the rotated k is never returned.
 On CUDA one Triton kernel norms and rotates every q and k head of a step, reading them in
 place from the merged qkv projection's output, and writes k and v to their slots.
@@ -33,6 +35,8 @@ def rotary_and_store_kv(
     q_norm_weight: torch.Tensor | None = None,  # [D]; both norm weights or neither
     k_norm_weight: torch.Tensor | None = None,  # [D]
     eps: float = 0.0,
+    k_scale: float = 1.0,  # an fp8 pool's scales; other pools ignore them
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q normed per head (when the weights are given) and rotated: a fresh tensor in the
     input dtype (the norm's result dtype when normed). k, normed and rotated the same way,
@@ -46,10 +50,32 @@ def rotary_and_store_kv(
         from engine.kernels import triton_kernels
 
         return triton_kernels.rotary_and_store_kv(
-            q, k, v, cos, sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            kv_cache,
+            slot_mapping,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            k_scale,
+            v_scale,
         )
     return rotary_and_store_kv_torch(
-        q, k, v, cos, sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        k_scale,
+        v_scale,
     )
 
 
@@ -64,9 +90,11 @@ def rotary_and_store_kv_torch(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     q, k = rotary_qk_torch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
-    store_kv_torch(k, v, kv_cache, slot_mapping)
+    store_kv_torch(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

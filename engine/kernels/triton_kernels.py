@@ -251,6 +251,8 @@ def _rotary_and_store_kv_kernel(
     num_kv_heads,
     half,
     eps,
+    k_scale,  # an fp8 pool's (engine/kv/fp8.py); unread for other pools
+    v_scale,
     HAS_NORM: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
@@ -304,10 +306,20 @@ def _rotary_and_store_kv_kernel(
         + cols[None, :]
     )
     cache_v = cache_k + cache_stride_kv
-    tl.store(cache_k, k1.to(cache_dtype), mask=kv_mask)
-    tl.store(cache_k + half, k2.to(cache_dtype), mask=kv_mask)
-    tl.store(cache_v, v1.to(cache_dtype), mask=kv_mask)
-    tl.store(cache_v + half, v2.to(cache_dtype), mask=kv_mask)
+    tl.store(cache_k, _to_pool(k1, k_scale, cache_dtype), mask=kv_mask)
+    tl.store(cache_k + half, _to_pool(k2, k_scale, cache_dtype), mask=kv_mask)
+    tl.store(cache_v, _to_pool(v1, v_scale, cache_dtype), mask=kv_mask)
+    tl.store(cache_v + half, _to_pool(v2, v_scale, cache_dtype), mask=kv_mask)
+
+
+@triton.jit
+def _to_pool(x, scale, cache_dtype: tl.constexpr):
+    # As engine/kv/fp8.py's to_pool: an fp8 pool's value is x / scale in float32, clamped
+    # to +-448 (e4m3 has no infinity) and rounded to nearest; any other pool's is a cast.
+    if cache_dtype == tl.float8e4nv:
+        scaled = x.to(tl.float32) / scale
+        return tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def rotary_and_store_kv(
@@ -321,6 +333,8 @@ def rotary_and_store_kv(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -370,6 +384,8 @@ def rotary_and_store_kv(
             num_kv_heads,
             head_dim // 2,
             eps,
+            k_scale,
+            v_scale,
             HAS_NORM=has_norm,
             BLOCK_Q_HEADS=block_q_heads,
             BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),

@@ -1,5 +1,6 @@
-"""The KV pool: how many blocks fit beside the weights and the largest step, and the
-tensors themselves (layout: engine/attention/base.py)."""
+"""The KV pool: its dtype, how many blocks fit beside the weights and the largest step,
+and the tensors themselves (layout: engine/attention/base.py; an fp8 pool:
+engine/kv/fp8.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,50 @@ from engine.core.batch import BatchChanges
 from engine.core.runner import ModelRunner, StepPlan
 from engine.core.sampler import SamplingRows
 from engine.errors import ValidationError
+from engine.kv.fp8 import FP8_DTYPE
 from engine.model.config import ModelConfig
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": FP8_DTYPE}
+
+
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The pool's dtype: kv_cache_dtype resolved for the model's dtype and the device, or
+    a ValidationError naming it where that pool cannot run."""
+    dtype, device = config.torch_dtype, config.torch_device
+    if config.cache.kv_cache_dtype == "auto":
+        return dtype
+    kv_dtype = _KV_DTYPES[config.cache.kv_cache_dtype]
+    if device.type != "cuda":
+        # The torch backend computes in float32 whatever the pool holds, so any pool runs
+        # under any model dtype: a 16-bit pool under a float32 model halves the KV memory
+        # for K and V rounded once, as fp8 quarters it.
+        return kv_dtype
+    if kv_dtype == FP8_DTYPE:
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValidationError(
+                "kv_cache_dtype",
+                f"fp8_e4m3 needs a GPU of compute capability 8.9 or later (Ada, Hopper), "
+                f"this one is {capability[0]}.{capability[1]}",
+            )
+    elif kv_dtype != dtype:  # flashinfer and the decode kernel read 16-bit KV as q's dtype
+        raise ValidationError(
+            "kv_cache_dtype",
+            f"{config.cache.kv_cache_dtype} needs dtype {config.cache.kv_cache_dtype} on CUDA, "
+            f"got {config.dtype}: a 16-bit pool holds the model's dtype there",
+        )
+    return kv_dtype
+
 
 def allocate_kv_pool(runner: ModelRunner, num_blocks: int) -> list[torch.Tensor]:
-    """One zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor per layer."""
+    """One zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor per layer, of
+    the runner's kv_dtype."""
     cfg = runner.config
     shape = (num_blocks, 2, runner.block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        torch.zeros(shape, dtype=runner.dtype, device=runner.device) for _ in range(cfg.num_layers)
+        torch.zeros(shape, dtype=runner.kv_dtype, device=runner.device)
+        for _ in range(cfg.num_layers)
     ]
 
 
@@ -44,7 +79,7 @@ def num_kv_blocks(config: EngineConfig, runner: ModelRunner, graph_reserve: int)
             sched.max_num_seqs,
             graph_reserve,
         )
-    block_bytes = kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
+    block_bytes = kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype)
     return max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))
 
 
@@ -68,7 +103,9 @@ def fit_kv_blocks(
     outside_torch = total - free - torch.cuda.memory_reserved(device)
     peak = torch.cuda.max_memory_allocated(device)
     budget = total * gpu_memory_utilization - outside_torch - peak - graph_reserve
-    num_blocks = int(budget // kv_bytes_per_block(runner.config, runner.block_size, runner.dtype))
+    num_blocks = int(
+        budget // kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype)
+    )
     if num_blocks < 1:
         gib = 2**30
         raise ValidationError(

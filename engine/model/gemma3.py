@@ -63,8 +63,26 @@ class Gemma3Attention(Attention):
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden)
         q, k = self.q_norm(q), self.k_norm(k)  # Gemma's norm: not the one rotary fuses
-        q = rotary_and_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
-        out = self.backend.forward(q, kv_cache, meta, scale=self.scale, window=self.window)
+        q = rotary_and_store_kv(
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            kv_cache,
+            meta.slot_mapping,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
+        out = self.backend.forward(
+            q,
+            kv_cache,
+            meta,
+            scale=self.scale,
+            window=self.window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
         return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
 
 

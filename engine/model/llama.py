@@ -117,6 +117,8 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.attention_scale
+        # An fp8 KV pool's scales for this layer (engine/kv/fp8.py); start-up sets them.
+        self.k_scale = self.v_scale = 1.0
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
@@ -139,7 +141,17 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(hidden)
         # Rotated k and v go straight into the pool; only q comes back.
         if self.q_norm is None:
-            q = rotary_and_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+            q = rotary_and_store_kv(
+                q,
+                k,
+                v,
+                cos,
+                sin,
+                kv_cache,
+                meta.slot_mapping,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+            )
         else:  # Qwen3: per-head RMSNorm first, in the same op
             q = rotary_and_store_kv(
                 q,
@@ -152,8 +164,12 @@ class Attention(nn.Module):
                 self.q_norm.weight,
                 self.k_norm.weight,
                 self.q_norm.eps,
+                self.k_scale,
+                self.v_scale,
             )
-        out = self.backend.forward(q, kv_cache, meta, scale=self.scale)
+        out = self.backend.forward(
+            q, kv_cache, meta, scale=self.scale, k_scale=self.k_scale, v_scale=self.v_scale
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:

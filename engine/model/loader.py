@@ -377,6 +377,8 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     """Tensors some checkpoints carry that we do not need."""
     if name.endswith("rotary_emb.inv_freq"):  # recomputed from the config
         return True
+    if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):  # engine/kv/fp8.py reads them
+        return True
     return name == "lm_head.weight" and config.tie_word_embeddings  # tied copy of the embedding
 
 
