@@ -46,24 +46,12 @@ def rotary_and_store_kv(
     On CUDA this is one Triton kernel with no host sync, so it can be captured in a CUDA
     graph; the torch version finds padding rows on the host."""
     assert (q_norm_weight is None) == (k_norm_weight is None), "q and k are normed together"
+    impl = rotary_and_store_kv_torch
     if use_triton(q):
         from engine.kernels import triton_kernels
 
-        return triton_kernels.rotary_and_store_kv(
-            q,
-            k,
-            v,
-            cos,
-            sin,
-            kv_cache,
-            slot_mapping,
-            q_norm_weight,
-            k_norm_weight,
-            eps,
-            k_scale,
-            v_scale,
-        )
-    return rotary_and_store_kv_torch(
+        impl = triton_kernels.rotary_and_store_kv
+    return impl(
         q,
         k,
         v,

@@ -139,34 +139,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.project_qkv(hidden)
-        # Rotated k and v go straight into the pool; only q comes back.
         if self.q_norm is None:
-            q = rotary_and_store_kv(
-                q,
-                k,
-                v,
-                cos,
-                sin,
-                kv_cache,
-                meta.slot_mapping,
-                k_scale=self.k_scale,
-                v_scale=self.v_scale,
-            )
+            norm = (None, None, 0.0)
         else:  # Qwen3: per-head RMSNorm first, in the same op
-            q = rotary_and_store_kv(
-                q,
-                k,
-                v,
-                cos,
-                sin,
-                kv_cache,
-                meta.slot_mapping,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.q_norm.eps,
-                self.k_scale,
-                self.v_scale,
-            )
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        # Rotated k and v go straight into the pool; only q comes back.
+        q = rotary_and_store_kv(
+            q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norm, self.k_scale, self.v_scale
+        )
         out = self.backend.forward(
             q, kv_cache, meta, scale=self.scale, k_scale=self.k_scale, v_scale=self.v_scale
         )
