@@ -19,8 +19,8 @@ from engine.text.prompts import PromptEncoder
 from engine.text.tool_use import ToolUse
 from service.request import GenerationRequest, Prompt
 
-# Prompts in one call (each is an engine request; past the queue's room they are refused
-# as overload), bounded before any is encoded.
+# Prompts in one request (each becomes an engine request; past the queue's room they are
+# refused as overload), bounded before any is encoded.
 MAX_PROMPTS = 1024
 
 
