@@ -20,7 +20,7 @@ from engine.kv.pool import kv_bytes_per_block, kv_cache_dtype
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.test_engine import random_prompts
-from tests.test_gpu import assert_tracks_float32, at_unit_gain, teacher_forced_logits
+from tests.test_gpu import assert_tracks_float32, teacher_forced_logits, write_gpu_model
 from tests.test_kernels import kv_pool, store_kv_rows
 from tests.tiny_models import write_tiny_model
 
@@ -200,18 +200,7 @@ def test_a_checkpoints_kv_scales_reach_every_layer(tmp_path):
 def test_fp8_kv_tracks_float32_kv_teacher_forced(tmp_path):
     """The GPU tests' model and method (tests/test_gpu.py) on the CPU: float32 throughout
     but for K and V, which go through e4m3 (scale 1) on their way into the pool."""
-    directory = write_tiny_model(
-        tmp_path,
-        "qwen3",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=1024,
-    )
-    at_unit_gain(directory)
+    directory = write_gpu_model(tmp_path, "qwen3")
     tokens = random_prompts(2, 400, seed=3, lo=256, hi=256)
     fp8 = teacher_forced_logits(directory, "cpu", torch.float32, tokens, kv_dtype=FP8_DTYPE)
     full = teacher_forced_logits(directory, "cpu", torch.float32, tokens)

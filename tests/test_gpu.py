@@ -68,9 +68,12 @@ def model_dir(tmp_path_factory) -> Path:
     as in Qwen3-0.6B), re-initialised at unit gain: std 1/sqrt(fan_in) for projections,
     unit-variance embeddings. tiny_models' std 0.1 makes a 256-wide net chaotic enough
     that bf16 rounding alone moves its logits by 2% (measured on the CPU)."""
-    directory = write_tiny_model(
-        tmp_path_factory.mktemp("gpu-qwen3"),
-        "qwen3",
+    return write_gpu_model(tmp_path_factory.mktemp("gpu-qwen3"), "qwen3")
+
+
+def write_gpu_model(directory: Path, arch: str, **overrides) -> Path:
+    """model_dir's shape (overrides aside) for `arch`, written into directory at unit gain."""
+    shape = dict(
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=4,
@@ -79,7 +82,7 @@ def model_dir(tmp_path_factory) -> Path:
         head_dim=128,
         max_position_embeddings=1024,
     )
-    return at_unit_gain(directory)
+    return at_unit_gain(write_tiny_model(directory, arch, **{**shape, **overrides}))
 
 
 def at_unit_gain(directory: Path) -> Path:

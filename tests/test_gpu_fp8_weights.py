@@ -27,14 +27,13 @@ from engine.model.loader import load_model
 from tests.test_fp8_weights import write_fp8
 from tests.test_gpu import (
     assert_greedy_close,
-    at_unit_gain,
     gpu_llm,
     greedy,
     random_prompts,
     release_gpu_memory,  # noqa: F401 (autouse: each test's engines go before the next)
     teacher_forced_logits,
+    write_gpu_model,
 )
-from tests.tiny_models import write_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,18 +51,7 @@ FP8_NEAR_TIE = 0.3
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """tests/test_gpu.py's model: Qwen3-shaped (head_dim 128), at unit gain."""
-    directory = write_tiny_model(
-        tmp_path_factory.mktemp("gpu-fp8-qwen3"),
-        "qwen3",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=1024,
-    )
-    return at_unit_gain(directory)
+    return write_gpu_model(tmp_path_factory.mktemp("gpu-fp8-qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,12 @@ from engine.kernels import fused_moe
 from engine.model import moe
 from tests.test_gpu import (
     assert_greedy_close,
-    at_unit_gain,
     gpu_llm,
     greedy,
     random_prompts,
     release_gpu_memory,  # noqa: F401 (an autouse fixture)
+    write_gpu_model,
 )
-from tests.tiny_models import write_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -159,18 +158,8 @@ TABLES = {
 @pytest.fixture(scope="module", params=list(TINY_MODELS))
 def moe_model_dir(request, tmp_path_factory) -> Path:
     """A flashinfer-shaped tiny MoE model (head_dim 128) at unit gain."""
-    directory = write_tiny_model(
-        tmp_path_factory.mktemp(request.param),
-        request.param,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=1024,
-        **TINY_MODELS[request.param],
-    )
-    return at_unit_gain(directory)
+    directory = tmp_path_factory.mktemp(request.param)
+    return write_gpu_model(directory, request.param, **TINY_MODELS[request.param])
 
 
 @pytest.mark.parametrize("table", list(TABLES))
