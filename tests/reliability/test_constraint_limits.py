@@ -19,7 +19,7 @@ import pytest
 
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
-from tests.reliability.pace import PaceProbe, measure_pace
+from tests.reliability.pace import PaceProbe
 from tests.server_process import ServerProcess, free_port, start_server_process
 
 # 5,001 alternatives: it compiles, and its parser's row of items (5,002, its limit 2,000)
@@ -31,6 +31,12 @@ WIDE_GAVE_UP = "the grammar's parser gave up after 1 tokens (Current row has 500
 # few dozen tokens in, then hundreds (seconds before its parser gives up, past 175 tokens).
 AMBIGUOUS_GRAMMAR = 'start: s\ns: s s s | s s | "a" | "b"'
 STEP_LIMIT = 0.05  # grammar_step_timeout's default
+# The attacker is a request the server generates for, so the pace it is held to is the
+# pace beside an ordinary request as long as the attack lasts (70-90 tokens): what is left
+# is the grammar's own cost. On two CPU cores an ordinary neighbour alone costs a normal
+# request 1.6x its unloaded pace; the attack measured 1.13-1.19x of that.
+NEIGHBOUR_TOKENS = 80
+MAX_ATTACK_RATIO = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -119,18 +125,25 @@ async def test_a_grammar_past_its_parsers_limits_fails_by_its_field_on_every_doo
 async def test_an_ambiguous_grammar_fails_at_the_step_limit_and_others_keep_their_pace(served):
     """A request whose grammar's masks grow with every token, against normal callers: it
     fails, naming its field, once one token's mask takes longer than the step limit, long
-    before its parser would give up; meanwhile an 8-token request keeps its p50 within 2x
-    of its unattacked p50 and the readiness check answers within 0.5 s."""
+    before its parser would give up; meanwhile an 8-token request keeps its p50 within
+    1.5x of its p50 beside an ordinary request, and the readiness check answers within
+    0.5 s."""
     server, _ = served
-    baseline = measure_pace(server.target, seconds=3)
+    neighbour = pb.GenerateRequest(
+        text="Pick one:",
+        sampling=pb.SamplingOptions(temperature=1.0, seed=0),
+        stopping=pb.StoppingOptions(max_tokens=NEIGHBOUR_TOKENS, ignore_eos=True),
+    )
     async with grpc.aio.insecure_channel(server.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
+        with PaceProbe(server.target) as beside_neighbour:
+            await stub.Generate(neighbour, timeout=300)
         with PaceProbe(server.target) as probe:
             (attack,) = await asyncio.gather(
                 stub.Generate(grammar_request(AMBIGUOUS_GRAMMAR, 250), timeout=300),
                 return_exceptions=True,
             )
-    probe.pace.assert_kept(baseline)
+    probe.pace.assert_kept(beside_neighbour.pace, max_p50_ratio=MAX_ATTACK_RATIO)
     assert isinstance(attack, grpc.aio.AioRpcError), attack
     assert attack.code() == grpc.StatusCode.INVALID_ARGUMENT, attack.details()
     details = attack.details()
