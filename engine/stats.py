@@ -73,6 +73,7 @@ class EngineStats:
     num_waiting_requests: int  # admitted, unfinished, none running (new or preempted)
     num_kv_blocks_used: int  # referenced by a live sequence; cached-but-free blocks are not
     num_kv_blocks_total: int
+    kv_block_size: int  # tokens per KV block
     prefix_cache_queried_tokens: int  # cumulative: prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int  # cumulative: of those, tokens whose KV was reused
     num_preemptions: int  # cumulative

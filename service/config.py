@@ -49,6 +49,10 @@ class ServerConfig:
     # The format the model writes tool calls in: auto (from its chat template) or one of
     # engine/text/tool_use.py's TOOL_FORMATS.
     tool_parser: str = "auto"
+    # The prefix cache's KV events over ZMQ (service/kv_events.py): the endpoint a PUB
+    # socket binds (tcp://*:5557) or connects to (tcp://picker:5557); None: not published.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str | None = None  # None: kv@<host name>@<served model name>
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "metrics_port", "http_port", "health_port"):

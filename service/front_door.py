@@ -20,6 +20,7 @@ from engine.text.prompts import PromptEncoder
 from engine.text.tool_use import detect_format
 from service.convert import EngineInputs, engine_inputs, named_as_sent
 from service.errors import ServiceUnavailable, UnknownModel
+from service.kv_events import KvEventHub
 from service.metrics import ServerMetrics
 from service.request import GenerationRequest
 
@@ -101,12 +102,14 @@ class FrontDoor:
         self.log_requests = log_requests  # ServerConfig.log_requests
         self.tool_parser_setting = tool_parser  # ServerConfig.tool_parser
         self.max_message_bytes = max_message_bytes  # the largest request or answer
+        self.kv_events = KvEventHub()  # the engine's KV events, to whoever follows them
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
     def attach(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
+        engine.kv_event_sink = self.kv_events.publish
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, if it takes new work; ServiceUnavailable while loading or draining.

@@ -198,6 +198,14 @@ class _EngineStatsCollector(Collector):
             "kv_cache_blocks_used", "KV blocks held by live sequences.", stats.num_kv_blocks_used
         )
         yield _gauge("kv_cache_blocks_total", "KV blocks in the pool.", stats.num_kv_blocks_total)
+        # The KV pool's shape as labels of one series, as endpoint pickers read it.
+        cache_config = GaugeMetricFamily(
+            "pagedserve_cache_config_info",
+            "The KV cache's shape: tokens per block and blocks in the pool (value 1).",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        cache_config.add_metric([str(stats.kv_block_size), str(stats.num_kv_blocks_total)], 1)
+        yield cache_config
         yield _gauge(
             "prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache per token looked up, since start.",

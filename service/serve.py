@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from service.convert import sampling_params
 from service.front_door import FrontDoor, request_log
 from service.grpc import messages
 from service.grpc.server import GrpcServer, start_grpc
+from service.kv_events import KvEventHub
 from service.metrics import process_age
 from service.tracing import configure_tracing
 
@@ -129,11 +131,14 @@ class Server:
         await self.grpc.stop()
         await asyncio.to_thread(self.grpc.service.tracer.shutdown)  # flushes queued spans
         await asyncio.to_thread(self.door.metrics.stop_http_server)
+        await asyncio.to_thread(self.door.kv_events.close)
 
 
 async def start_server(config: ServerConfig) -> Server:
     """Start every configured door (REST's fastapi is imported only when it is on)."""
     door = FrontDoor(config.log_requests, config.tool_parser, config.max_message_bytes)
+    if config.kv_events_endpoint is not None:  # bound now: a port taken fails the start
+        door.kv_events = KvEventHub(config.kv_events_endpoint)
     # Whatever log_level says: asking for them means showing them.
     request_log.setLevel(logging.INFO if config.log_requests else logging.NOTSET)
     # Up before the model loads, so a scrape during a slow start still answers.
@@ -227,6 +232,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         engine = await run_on_own_thread(load_engine, engine_config, config)
         warm_up_doors(engine)
         model_name = served_name(engine.info.model_path)
+        topic = config.kv_events_topic or f"kv@{socket.gethostname()}@{model_name}"
+        server.door.kv_events.topic = topic
         await server.set_ready(engine, model_name)
         ready_seconds = time.monotonic() - started
         server.door.metrics.time_to_ready.set(ready_seconds)

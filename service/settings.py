@@ -284,6 +284,19 @@ SETTINGS: tuple[Setting, ...] = (
     _setting("server", "metrics_port", "Prometheus /metrics port; unset: no metrics endpoint"),
     _setting("server", "trace_exporter", "OpenTelemetry spans", choices=TRACE_EXPORTERS),
     _setting("server", "otlp_endpoint", "e.g. http://collector:4317 (trace_exporter otlp only)"),
+    _setting(
+        "server",
+        "kv_events_endpoint",
+        "publish the prefix cache's KV events over ZMQ for a cache-aware router: tcp://*:5557 "
+        "binds, tcp://host:5557 connects; unset: not published (the gRPC gateway door "
+        "streams them either way)",
+    ),
+    _setting(
+        "server",
+        "kv_events_topic",
+        "the KV events' ZMQ topic; unset: kv@<host name>@<served model name> (llm-d's "
+        "picker wants kv@<pod IP>:<port>@<model>)",
+    ),
     _setting("server", "http_host", "address the OpenAI-compatible REST shim binds; unset: host's"),
     _setting(
         "server",

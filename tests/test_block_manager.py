@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 
 from engine.kv import block_manager as block_manager_module
 from engine.kv.block_manager import BlockManager, BlockTable
+from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.invariants import check_invariants
 
 
@@ -307,6 +308,34 @@ def test_prefix_cache_stats_count_queried_and_hit_tokens():
     assert (manager.queried_tokens, manager.hit_tokens) == (20, 8)
 
 
+def test_kv_events_tell_blocks_stored_with_their_chain_and_removed_when_evicted():
+    manager = BlockManager(num_blocks=6, block_size=2, record_events=True)
+    first = computed_table(manager, [1, 2, 3, 4, 5])
+    (stored,) = manager.take_events()
+    h1 = block_manager_module.hash_block(None, (1, 2))
+    h2 = block_manager_module.hash_block(h1, (3, 4))
+    assert stored == BlockStored((h1, h2), None, (1, 2, 3, 4), 2)
+    # A prompt that shares the first block stores only its own second one, chained on h1.
+    second = computed_table(manager, [1, 2, 7, 8, 9])
+    h3 = block_manager_module.hash_block(h1, (7, 8))
+    assert manager.take_events() == [BlockStored((h3,), h1, (7, 8), 2)]
+    manager.free(first)
+    manager.free(second)
+    assert manager.take_events() == []  # freed is not evicted: the KV is still there
+    taker = BlockTable()
+    assert manager.allocate(taker, 6 * 2)  # three free blocks, then the cached ones, LRU first
+    assert manager.take_events() == [BlockRemoved((h2, h3, h1))]
+    manager.free(taker)
+    manager.reset()
+    assert manager.take_events() == [AllBlocksCleared()]
+
+
+def test_no_kv_events_without_prefix_caching():
+    manager = BlockManager(4, 2, enable_prefix_caching=False, record_events=True)
+    computed_table(manager, [1, 2, 3, 4, 5])
+    assert manager.take_events() == []
+
+
 # ---- stateful model check -------------------------------------------------------------------
 
 MAX_SEQ_LEN = 14
@@ -357,7 +386,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, block_size, enable_prefix_caching, hash_variant):
         self.original_hash = block_manager_module.hash_block
         block_manager_module.hash_block = HASH_VARIANTS[hash_variant]
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching, record_events=True
+        )
+        self.followed: dict[int, tuple[int, ...]] = {}  # what a reader of the events knows
         self.shadow: dict[int, list[tuple[int, ...] | None]] = {
             block_id: [None] * block_size for block_id in range(num_blocks)
         }
@@ -468,6 +500,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
         )
 
     @invariant()
+    def a_reader_of_the_events_knows_the_cache(self):
+        """Following the KV events, a reader knows every published block by its hash and
+        its tokens, and no other."""
+        if not hasattr(self, "manager"):
+            return
+        manager = self.manager
+        for event in manager.take_events():
+            if isinstance(event, BlockStored):
+                assert len(event.token_ids) == len(event.block_hashes) * manager.block_size
+                for i, block_hash in enumerate(event.block_hashes):
+                    assert block_hash not in self.followed, "stored twice without a removal"
+                    size = manager.block_size
+                    self.followed[block_hash] = event.token_ids[i * size : (i + 1) * size]
+                coverage["stored"] += 1
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    del self.followed[block_hash]
+                coverage["removed"] += 1
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                self.followed.clear()
+        published = {
+            block_hash: manager._blocks[block_id].content.token_ids
+            for block_hash, block_id in manager._cached_block_ids.items()
+        }
+        assert self.followed == published
+
+    @invariant()
     def every_sequence_reads_its_own_kv(self):
         if not hasattr(self, "manager"):
             return
@@ -487,5 +547,5 @@ def test_block_manager_state_machine():
         settings=settings(max_examples=150, stateful_step_count=50, deadline=None),
     )
     # The runs reached the interesting paths, so the checks above had something to check.
-    for path in ("hit", "allocation refused", "roll back"):
+    for path in ("hit", "allocation refused", "roll back", "stored", "removed"):
         assert coverage[path] > 0, path

@@ -184,6 +184,8 @@ SAMPLES = {
     "metrics_port": 9090,
     "trace_exporter": "console",
     "otlp_endpoint": "http://collector:4317",
+    "kv_events_endpoint": "tcp://*:5557",
+    "kv_events_topic": "kv@10.0.0.7:8000@smollm2",
     "http_host": "0.0.0.0",
     "http_port": 8000,
     "api_key": "s3cret",

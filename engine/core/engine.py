@@ -82,7 +82,10 @@ class LLMEngine:
         self.runner, self.info = parts.runner, parts.info  # the warm-up adds its time to info
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         caching = config.cache.enable_prefix_caching
-        self.block_manager = BlockManager(self.info.kv_num_blocks, config.block_size, caching)
+        # What the prefix cache publishes and evicts is recorded for routers to follow.
+        self.block_manager = BlockManager(
+            self.info.kv_num_blocks, config.block_size, caching, record_events=True
+        )
         # The persistent batch's host record, shared with the scheduler, which places and
         # releases sequences in it; the engine writes the tokens it adds unsampled (proposals,
         # forced tokens), follows a rollback's blocks and takes each step's changes.
@@ -213,6 +216,7 @@ class LLMEngine:
             num_waiting_requests=len(self.requests) - num_running,
             num_kv_blocks_used=bm.num_used_blocks,
             num_kv_blocks_total=bm.num_blocks,
+            kv_block_size=bm.block_size,
             prefix_cache_queried_tokens=bm.queried_tokens,
             prefix_cache_hit_tokens=bm.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,

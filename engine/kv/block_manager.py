@@ -17,6 +17,9 @@ parent block's hash and its tokens), so a later prompt with the same prefix shar
 instead of recomputing. Hashes collide, so a hit is verified against the stored content. A
 block's KV depends on every token before it, so the content names the parent prefix by a
 `prefix_id`, which, unlike hashes (they collide) and block ids (recycled), is never reused.
+
+With record_events, what publishes and evicts is also recorded as KV events
+(engine/kv/events.py), for a router to follow; take_events hands them over.
 """
 
 from __future__ import annotations
@@ -26,10 +29,17 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+# The parent hash of a sequence's first block. hash(None) differs between processes (before
+# Python 3.12), and a hash of ints does not: replicas then agree on every block's hash,
+# which a router reading their KV events compares.
+ROOT_HASH = 0
+
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chain hash of a full block. Deterministic within the process, which is all we need."""
-    return hash((parent_hash, token_ids))
+    """Chain hash of a full block: the same in every process."""
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
 
 
 @dataclass
@@ -58,7 +68,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+    ):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -70,6 +86,13 @@ class BlockManager:
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached_block_ids: dict[int, int] = {}  # chain hash -> published block id
         self._next_prefix_id = itertools.count()
+        self.record_events = record_events and enable_prefix_caching
+        self._events: list[KvEvent] = []
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events recorded since the last take, oldest first."""
+        events, self._events = self._events, []
+        return events
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -115,15 +138,20 @@ class BlockManager:
         num_needed = self.blocks_needed(table, num_tokens)
         if num_needed > self.num_free_blocks:
             return False
+        evicted = []
         for _ in range(num_needed):
             if self._free_block_ids:
                 block_id = self._free_block_ids.popleft()
             else:  # evict the least recently freed cached block
                 block_id, _ = self._evictable_block_ids.popitem(last=False)
-                del self._cached_block_ids[self._blocks[block_id].content.block_hash]
+                block_hash = self._blocks[block_id].content.block_hash
+                del self._cached_block_ids[block_hash]
                 self._blocks[block_id].content = None
+                evicted.append(block_hash)
             self._blocks[block_id].ref_count = 1
             table.block_ids.append(block_id)
+        if evicted and self.record_events:
+            self._events.append(BlockRemoved(tuple(evicted)))
         return True
 
     def register_full_blocks(
@@ -134,6 +162,7 @@ class BlockManager:
             return
         num_full_blocks = num_computed_tokens // self.block_size
         assert num_full_blocks <= len(table.block_ids) and num_computed_tokens <= len(token_ids)
+        stored: list[tuple[int | None, int, tuple[int, ...]]] = []  # (parent hash, hash, tokens)
         while table.num_hashed_blocks < num_full_blocks:
             block_hash, chunk, parent_prefix_id = self._next_full_block(table, token_ids)
             block_id = table.block_ids[table.num_hashed_blocks]
@@ -145,9 +174,12 @@ class BlockManager:
             cached = self._cached_content(block_hash, chunk, parent_prefix_id)
             prefix_id = cached.prefix_id if cached else next(self._next_prefix_id)
             block.content = BlockContent(block_hash, chunk, prefix_id, parent_prefix_id)
-            self._cached_block_ids.setdefault(block_hash, block_id)
+            if self._cached_block_ids.setdefault(block_hash, block_id) == block_id:
+                stored.append((table.last_hash, block_hash, chunk))
             table.num_hashed_blocks += 1
             table.last_hash = block_hash
+        if stored and self.record_events:
+            self._record_stored(stored)
 
     def free(self, table: BlockTable) -> None:
         """Drop all the table's references, registered blocks included (tail first: see shrink)."""
@@ -185,8 +217,24 @@ class BlockManager:
         self._cached_block_ids.clear()
         self._next_prefix_id = itertools.count()
         self.queried_tokens = self.hit_tokens = 0
+        # What was recorded before is moot: a reader forgets this cache's blocks on this.
+        self._events = [AllBlocksCleared()] if self.record_events else []
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _record_stored(self, stored: list[tuple[int | None, int, tuple[int, ...]]]) -> None:
+        """One BlockStored per run of blocks that chain on each other (a block an equal
+        cached one stood in for breaks a run: it was not published)."""
+        runs: list[list[tuple[int | None, int, tuple[int, ...]]]] = []
+        for block in stored:
+            if runs and block[0] == runs[-1][-1][1]:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            hashes = tuple(block_hash for _, block_hash, _ in run)
+            tokens = tuple(token for _, _, chunk in run for token in chunk)
+            self._events.append(BlockStored(hashes, run[0][0], tokens, self.block_size))
 
     def _next_full_block(
         self, table: BlockTable, token_ids: Sequence[int]

@@ -21,12 +21,13 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from engine.core.engine import LLMEngine
 from engine.core.warmup import warm_up
 from engine.errors import EngineError, EngineOverloaded, ModelLoadError, ValidationError
+from engine.kv.events import KvEvent
 from engine.outputs import CandidateEvent, FinishReason
 from engine.sampling_params import SamplingParams, validate_request
 from engine.serving.request_stream import RequestStream
@@ -78,6 +79,7 @@ class LoopOutput:
     events: list[CandidateEvent]
     finished: set[str]  # request ids these events ended
     stats: EngineStats
+    kv_events: list[KvEvent] = field(default_factory=list)  # the prefix cache's, since the last
 
 
 @dataclass
@@ -107,7 +109,8 @@ def run_engine_loop(
             tickets.pop(request_id, None)
         stats = engine.stats()
         reported_grammar = stats.grammar
-        deliver(LoopOutput(admissions, events, finished, stats))
+        kv_events = engine.block_manager.take_events()
+        deliver(LoopOutput(admissions, events, finished, stats, kv_events))
 
     while True:
         items = take(not engine.has_unfinished_requests and not compiling)
@@ -299,6 +302,9 @@ class AsyncEngine:
         self._stopping = False
         self.fatal_error: str | None = None
         self.stats: EngineStats | None = None  # replaced, never mutated, by deliver()
+        # Called with each step's KV events (engine/kv/events.py), on the thread that
+        # delivers; None: they are dropped.
+        self.kv_event_sink: Callable[[list[KvEvent]], None] | None = None
         self._last_progress = time.monotonic()  # the last LoopOutput, or work arriving idle
 
     @property
@@ -399,6 +405,8 @@ class AsyncEngine:
         # Published first: who saw a step's events sees stats at least as new.
         self.stats = output.stats
         self._last_progress = time.monotonic()
+        if output.kv_events and self.kv_event_sink is not None:
+            self.kv_event_sink(output.kv_events)
         for ticket, error in output.admissions:
             caller = self._waiting.pop(ticket)
             if error is None:

@@ -48,18 +48,21 @@ def _fault(exc: Exception) -> str:
     return str(exc) if isinstance(exc, RequestFailed) else f"{type(exc).__name__}: {exc}"
 
 
-class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """The RPCs, behind the front door's rules: while no warm engine takes work (loading,
-    draining) they answer UNAVAILABLE. The REST door shares the same front door."""
+class ObservedCalls:
+    """What every gRPC service over the front door does around its calls: count each by
+    outcome, trace it, and refuse work while no warm engine takes it (UNAVAILABLE)."""
 
-    def __init__(self, door: FrontDoor, tracer: RequestTracer) -> None:
+    def __init__(self, door: FrontDoor, tracer: RequestTracer, service_name: str) -> None:
         self.door = door
         self.tracer = tracer
+        self.service_name = service_name
 
     @contextlib.contextmanager
-    def _observed(self, rpc: str, context) -> Iterator[list[CandidateEvent]]:
+    def observed(self, rpc: str, context) -> Iterator[list[CandidateEvent]]:
         """Count the RPC by outcome and trace it; the caller appends the final events it saw."""
-        span = self.tracer.start_request(f"{SERVICE_NAME}/{rpc}", context.invocation_metadata())
+        span = self.tracer.start_request(
+            f"{self.service_name}/{rpc}", context.invocation_metadata()
+        )
         finals: list[CandidateEvent] = []
         error: BaseException | None = None
         try:
@@ -74,15 +77,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 self.door.metrics.request_finished(finals)
             span.finish(code, finals)
 
-    async def _engine(self, context) -> AsyncEngine:
+    async def ready(self, context) -> AsyncEngine:
         try:
             return self.door.ready_engine()
         except Exception as exc:
             await abort(context, exc)
 
+
+class InferenceService(ObservedCalls, inference_pb2_grpc.InferenceServicer):
+    """The RPCs, behind the front door's rules: while no warm engine takes work (loading,
+    draining) they answer UNAVAILABLE. The REST door shares the same front door."""
+
+    def __init__(self, door: FrontDoor, tracer: RequestTracer) -> None:
+        super().__init__(door, tracer, SERVICE_NAME)
+
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
-        with self._observed("Generate", context) as finals, self.door.in_flight_call():
-            engine = await self._engine(context)
+        with self.observed("Generate", context) as finals, self.door.in_flight_call():
+            engine = await self.ready(context)
             answer, stream = await self._submit(engine, request, context, "grpc_unary")
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
@@ -102,8 +113,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def StreamGenerate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        with self._observed("StreamGenerate", context) as finals, self.door.in_flight_call():
-            engine = await self._engine(context)
+        with self.observed("StreamGenerate", context) as finals, self.door.in_flight_call():
+            engine = await self.ready(context)
             answer, stream = await self._submit(engine, request, context, "grpc_stream")
             try:
                 async for event in stream:  # leaving early, by any door, cancels the request
@@ -119,7 +130,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 self.door.log_outputs(stream.request_id, answer.texts())
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        with self._observed("Cancel", context):
+        with self.observed("Cancel", context):
             try:
                 check_request_id(request.request_id)
             except Exception as exc:
@@ -135,8 +146,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return pb.CancelResponse(cancelled=live)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        with self._observed("Tokenize", context):
-            engine = await self._engine(context)
+        with self.observed("Tokenize", context):
+            engine = await self.ready(context)
             tokenizer = engine.tokenizer
             try:  # Generate's guard: text that cannot fit the context is refused unencoded
                 prompt, field_names = messages.tokenize_prompt(request)
@@ -150,8 +161,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return response
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        with self._observed("GetModelInfo", context):
-            engine = await self._engine(context)
+        with self.observed("GetModelInfo", context):
+            engine = await self.ready(context)
             info = engine.info
             return pb.ModelInfo(
                 name=self.door.model_name,

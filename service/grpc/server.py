@@ -1,6 +1,6 @@
 """The gRPC door: a grpc.aio server with the Inference service (service/grpc/handlers.py),
-health (liveness "" and readiness of the Inference service) and reflection, behind the
-interceptors (service/grpc/interceptors.py); optionally a plaintext health-only port for
+the gateway's worker service (service/grpc/gateway.py), health (liveness "" and readiness
+of the Inference service) and reflection, behind the interceptors (service/grpc/interceptors.py); optionally a plaintext health-only port for
 probes that cannot do TLS."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
 from pagedserve.v1 import inference_pb2_grpc
 from service.config import ServerConfig
 from service.front_door import FrontDoor
+from service.grpc import gateway
 from service.grpc.handlers import SERVICE_NAME, InferenceService
 from service.grpc.interceptors import ApiKeyInterceptor, ParseInterceptor
 from service.tls import TlsFiles, read_pem
@@ -70,11 +72,12 @@ async def start_grpc(config: ServerConfig, door: FrontDoor, tracer: RequestTrace
     server = grpc.aio.server(options=options, interceptors=interceptors)
     service = InferenceService(door, tracer)
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
+    worker = gateway.GatewayWorkerService(door, tracer)
+    sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(worker, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    services = (SERVICE_NAME, gateway.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(services, server)
     address = f"{config.host}:{config.grpc_port}"
     if config.tls is not None:
         port = server.add_secure_port(address, server_credentials(config.tls))
