@@ -134,3 +134,58 @@ def running_server(
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class RouterProcess:
+    """The Shepherd Model Gateway (`smg launch`) in front of gRPC workers."""
+
+    proc: subprocess.Popen
+    port: int
+    log: tempfile._TemporaryFileWrapper
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until its readiness answers 200: a worker is healthy and the model's tokenizer,
+        fetched from a worker, is loaded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/readiness", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass  # not listening yet, or not ready (503)
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the router is not ready: {self.output()[-3000:]}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_router(workers: list[ServerProcess], policy: str, *args: str) -> RouterProcess:
+    """`smg launch` on a free loopback port with `workers` as grpc:// workers (it learns
+    their kind, model and tokenizer from them), not waiting for readiness."""
+    smg = Path(sys.executable).with_name("smg")
+    port, prometheus_port = free_port(), free_port()
+    command = [str(smg), "launch", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--worker-urls", *(f"grpc://{worker.target}" for worker in workers)]
+    command += ["--policy", policy, "--prometheus-port", str(prometheus_port), *args]
+    log = tempfile.TemporaryFile("w+")
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    return RouterProcess(proc, port, log)

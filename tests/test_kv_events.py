@@ -6,12 +6,14 @@ event a positional array tagged by its name), and requests over gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 import msgspec
 import pytest
 import zmq
+from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2_grpc
 
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
@@ -29,6 +31,7 @@ class Follower:
         self.socket.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self.socket.connect(f"tcp://127.0.0.1:{port}")
         self.last_sequence: int | None = None
+        self.batches: dict[int, list] = {}  # events by sequence number
         self.stored: list[list] = []  # every BlockStored, in order
         self.removed: set[int] = set()
 
@@ -47,6 +50,7 @@ class Follower:
             self.last_sequence = number
             timestamp, events, rank = msgspec.msgpack.decode(payload)
             assert abs(timestamp - time.time()) < 60 and rank is None
+            self.batches[number] = events
             for event in events:
                 count += 1
                 if event[0] == "BlockStored":
@@ -89,12 +93,12 @@ def served(smollm2_gguf):
                     break
             else:
                 pytest.fail("no KV event reached the subscriber")
-            yield stub, follower
+            yield stub, follower, server
         follower.socket.close()
 
 
 def test_a_prompts_full_blocks_are_stored_with_their_tokens_and_chain(served):
-    stub, follower = served
+    stub, follower, _ = served
     text = "The quick brown fox jumps over the lazy dog. " * 5
     ids = prompt_ids(stub, text)
     assert len(ids) >= 3 * BLOCK_SIZE
@@ -122,7 +126,7 @@ def test_a_prompts_full_blocks_are_stored_with_their_tokens_and_chain(served):
 
 
 def test_evicted_blocks_are_removed(served):
-    stub, follower = served
+    stub, follower, _ = served
     text = "Eviction test: " + "alpha beta gamma delta " * 12
     follower.read(0.5)
     before = len(follower.stored)
@@ -137,3 +141,57 @@ def test_evicted_blocks_are_removed(served):
         if mine <= follower.removed:
             break
     assert mine <= follower.removed, "the evicted prompt's blocks were not all removed"
+
+
+def as_zmq(event: common_pb2.KvCacheEvent) -> list:
+    """A SubscribeKvEvents event in the ZMQ layout, to compare the two roads."""
+    kind = event.WhichOneof("data")
+    if kind == "stored":
+        blocks = event.stored.blocks
+        parent = (
+            event.stored.parent_block_hash if event.stored.HasField("parent_block_hash") else None
+        )
+        tokens = [t for block in blocks for t in block.token_ids]
+        return ["BlockStored", [b.block_hash for b in blocks], parent, tokens, blocks[0].block_size]
+    if kind == "removed":
+        return ["BlockRemoved", list(event.removed.block_hashes), None]
+    return ["AllBlocksCleared"]
+
+
+async def test_subscribe_kv_events_streams_the_same_batches_and_resumes(served):
+    stub, follower, server = served
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        worker = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        stream = worker.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        await stream.initial_metadata()  # subscribed from here on
+        follower.read(0.3)
+        first = follower.last_sequence + 1
+        await asyncio.to_thread(generate, stub, "Subscribed: " + "one fish two fish " * 10)
+        follower.read(1.0)
+        last = follower.last_sequence
+        assert last >= first, "the prompt stored no block"
+        streamed = {}
+        async for batch in stream:
+            streamed[batch.sequence_number] = [as_zmq(e) for e in batch.events]
+            if batch.sequence_number == last:
+                break
+        stream.cancel()
+        # The same batches, numbered alike, as the ZMQ road sent them (less its defaults).
+        sent = {n: [zmq_event[:5] for zmq_event in follower.batches[n]] for n in streamed}
+        assert streamed == sent and set(streamed) == set(range(first, last + 1))
+
+        # A subscriber that comes back resumes after the last batch it saw.
+        resumed = worker.SubscribeKvEvents(
+            common_pb2.SubscribeKvEventsRequest(start_sequence_number=first - 1)
+        )
+        again = [(await resumed.read()).sequence_number for _ in range(last - first + 1)]
+        resumed.cancel()
+        assert again == list(range(first, last + 1))
+
+        # One from another process's numbering is told to start over.
+        gone = worker.SubscribeKvEvents(
+            common_pb2.SubscribeKvEventsRequest(start_sequence_number=last + 1000)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await gone.read()
+        assert error.value.code() == grpc.StatusCode.OUT_OF_RANGE

@@ -36,6 +36,7 @@ from engine.kv.events import BlockRemoved, BlockStored
 from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
 from engine.structured.constraints import Constraint
 from engine.text.tokenizer import Tokenizer
+from service.convert import prompt_named
 from service.errors import RequestFailed, ServiceUnavailable
 from service.front_door import FrontDoor, check_request_id
 from service.grpc.handlers import ObservedCalls, abort, engine_request_id
@@ -199,7 +200,7 @@ class GatewayWorkerService(ObservedCalls, sglang_scheduler_pb2_grpc.SglangSchedu
                 return pb.AbortResponse(success=False, message="model is still loading")
             request_id = engine_request_id(caller_scope(context), request.request_id)
             live = engine.is_running(request_id)
-            engine.cancel(request_id)
+            engine.cancel(request_id, DOOR)  # the router's word that its client left
             return pb.AbortResponse(success=live, message="aborted" if live else "not running")
 
     async def SubscribeKvEvents(
@@ -303,7 +304,7 @@ def generation_request(request: pb.GenerateRequest) -> GenerationRequest:
         include_stop_str_in_output="sampling_params.no_stop_trim",
         logprobs="top_logprobs_num",
         prompt_logprobs="top_logprobs_num",
-        prompt="tokenized.input_ids",
+        **prompt_named("tokenized.input_ids"),
     )
     return GenerationRequest(
         prompts=[Prompt(token_ids=request.tokenized.input_ids)],
