@@ -168,3 +168,13 @@ async def test_health_model_server_loads_and_tokenizer_for_a_router(worker):
     )
     generation = json.loads(files.read("generation_config.json"))
     assert generation["eos_token_id"] == list(core.tokenizer.eos_token_ids)
+
+
+async def test_bytes_that_are_not_a_request_are_invalid_argument(tiny_model):  # noqa: F811
+    async with serving(tiny_model) as (srv, _, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            generate = channel.unary_stream("/sglang.grpc.scheduler.SglangScheduler/Generate")
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                [m async for m in generate(b"\x0a\x05\xff\xfe\xfd\xfc\xfb")]  # request_id
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.value.details() == "request_id: is not valid UTF-8"

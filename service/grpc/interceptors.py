@@ -4,14 +4,15 @@ parses. Each refusal is counted in the request metric as the handlers count thei
 from __future__ import annotations
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as gateway_pb
 
 from engine.errors import ValidationError
 from pagedserve.v1 import inference_pb2 as pb
 from service.front_door import authorized, unauthenticated_message
 from service.grpc import messages
-from service.grpc.handlers import SERVICE_NAME
 from service.metrics import ServerMetrics
 
 
@@ -62,8 +63,18 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+# The services whose requests are parsed here, by the path prefix of their methods.
+PARSED_SERVICES = {
+    f"/{service.full_name}": service
+    for service in (
+        pb.DESCRIPTOR.services_by_name["Inference"],
+        gateway_pb.DESCRIPTOR.services_by_name["SglangScheduler"],
+    )
+}
+
+
 class ParseInterceptor(grpc.aio.ServerInterceptor):
-    """Inference requests whose bytes do not parse (a string that is not UTF-8, a corrupt
+    """Inference and gateway requests whose bytes do not parse (a string that is not UTF-8, a corrupt
     wire format) get INVALID_ARGUMENT naming the field; grpc.aio would answer UNKNOWN.
     Counted in the RPC metric (refuse())."""
 
@@ -73,10 +84,10 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         service, _, name = handler_call_details.method.rpartition("/")
-        if handler is None or service != f"/{SERVICE_NAME}":
+        if handler is None or service not in PARSED_SERVICES:
             return handler
-        method = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name[name]
-        message_type = getattr(pb, method.input_type.name)
+        method = PARSED_SERVICES[service].methods_by_name[name]
+        message_type = message_factory.GetMessageClass(method.input_type)
 
         async def parsed(data: bytes, context):
             try:
