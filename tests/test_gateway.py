@@ -26,6 +26,7 @@ from tests.server_process import (
     start_router,
     start_server_process,
 )
+from tests.test_structured_output_smollm2 import WEATHER, WEATHER_PARAMETERS
 
 pytestmark = pytest.mark.slow
 
@@ -36,23 +37,6 @@ WORKER_ARGS = ("--num-blocks", "32", "--block-size", str(BLOCK_SIZE), "--max-mod
 # Health probes each second; one failure takes a worker out of rotation.
 ROUTER_ARGS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
 GREEDY = dict(temperature=0.0)
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": WEATHER_PARAMETERS,
-    },
-}
 PET = {
     "type": "object",
     "properties": {
