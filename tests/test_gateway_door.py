@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from service.config import ServerConfig
 from tests.test_grpc_server import kv_back_to_zero, serving, tiny_model  # noqa: F401
 
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -178,3 +179,17 @@ async def test_bytes_that_are_not_a_request_are_invalid_argument(tiny_model):  #
                 [m async for m in generate(b"\x0a\x05\xff\xfe\xfd\xfc\xfb")]  # request_id
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert error.value.details() == "request_id: is not valid UTF-8"
+
+
+async def test_the_api_key_guards_the_gateway_door_as_every_door(tiny_model):  # noqa: F811
+    config = ServerConfig(grpc_port=0, api_key="sekrit")
+    async with serving(tiny_model, server_config=config) as (srv, _, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+            request = pb.GenerateRequest(**generate_request())
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                [m async for m in stub.Generate(request)]
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            key = (("authorization", "Bearer sekrit"),)
+            answer = [m async for m in stub.Generate(request, metadata=key)]
+            assert answer[-1].complete.finish_reason == "length"
