@@ -3,6 +3,7 @@ the published SglangScheduler stubs as a router drives it: token ids in, token i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -193,3 +194,25 @@ async def test_the_api_key_guards_the_gateway_door_as_every_door(tiny_model):  #
             key = (("authorization", "Bearer sekrit"),)
             answer = [m async for m in stub.Generate(request, metadata=key)]
             assert answer[-1].complete.finish_reason == "length"
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+async def test_kv_events_reach_a_subscriber_from_the_engine_thread_or_process(
+    tiny_model,  # noqa: F811
+    engine_process,
+):
+    async with serving(tiny_model, engine_process=engine_process) as (srv, _, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+            events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+            await events.initial_metadata()
+            [m async for m in stub.Generate(pb.GenerateRequest(**generate_request()))]
+            stored = []
+            while not stored:  # the reset after the warm-up may come first: cleared
+                batch = await asyncio.wait_for(events.read(), timeout=10)
+                stored = [e.stored for e in batch.events if e.HasField("stored")]
+            events.cancel()
+    blocks = [block for event in stored for block in event.blocks]
+    # The prompt's one full block of 4 (the tiny server's block size) comes first.
+    assert list(blocks[0].token_ids) == PROMPT[:4] and blocks[0].block_size == 4
+    assert not stored[0].HasField("parent_block_hash")
