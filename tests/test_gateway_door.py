@@ -216,3 +216,20 @@ async def test_kv_events_reach_a_subscriber_from_the_engine_thread_or_process(
     # The prompt's one full block of 4 (the tiny server's block size) comes first.
     assert list(blocks[0].token_ids) == PROMPT[:4] and blocks[0].block_size == 4
     assert not stored[0].HasField("parent_block_hash")
+
+
+async def test_its_calls_are_counted_under_their_own_names_and_a_drain_stops_it(tiny_model):  # noqa: F811
+    async with serving(tiny_model) as (srv, _, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+            [m async for m in stub.Generate(pb.GenerateRequest(**generate_request()))]
+            exposition = srv.door.metrics.render().decode()
+            assert 'pagedserve_requests_total{code="OK",rpc="gateway/Generate"} 1.0' in exposition
+
+            # Draining, it says it is not healthy (the router sends it nothing) and refuses work.
+            await srv.drain(0)
+            health = await stub.HealthCheck(pb.HealthCheckRequest())
+            assert not health.healthy and "draining" in health.message
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                [m async for m in stub.Generate(pb.GenerateRequest(**generate_request()))]
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE

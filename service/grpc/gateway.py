@@ -47,6 +47,7 @@ from service.tracing import RequestTracer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 DOOR = "gateway"  # the engine's stats count this door's aborts under it
+METRIC_PREFIX = "gateway/"  # its RPCs in the request metric: gateway/Generate, ...
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 # The router's finish reasons: OpenAI's, plus "abort".
 FINISH_REASONS = {
@@ -67,7 +68,7 @@ class GatewayWorkerService(ObservedCalls, sglang_scheduler_pb2_grpc.SglangSchedu
     which the router takes as "not offered"."""
 
     def __init__(self, door: FrontDoor, tracer: RequestTracer) -> None:
-        super().__init__(door, tracer, SERVICE_NAME)
+        super().__init__(door, tracer, SERVICE_NAME, METRIC_PREFIX)
         self.started = time.time()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:

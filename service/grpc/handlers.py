@@ -52,10 +52,13 @@ class ObservedCalls:
     """What every gRPC service over the front door does around its calls: count each by
     outcome, trace it, and refuse work while no warm engine takes it (UNAVAILABLE)."""
 
-    def __init__(self, door: FrontDoor, tracer: RequestTracer, service_name: str) -> None:
+    def __init__(
+        self, door: FrontDoor, tracer: RequestTracer, service_name: str, metric_prefix: str = ""
+    ) -> None:
         self.door = door
         self.tracer = tracer
         self.service_name = service_name
+        self.metric_prefix = metric_prefix  # before each RPC's name in the request metric
 
     @contextlib.contextmanager
     def observed(self, rpc: str, context) -> Iterator[list[CandidateEvent]]:
@@ -72,7 +75,7 @@ class ObservedCalls:
             raise
         finally:
             code = rpc_status(context, error)
-            self.door.metrics.rpc_finished(rpc, code)
+            self.door.metrics.rpc_finished(self.metric_prefix + rpc, code)
             if finals:
                 self.door.metrics.request_finished(finals)
             span.finish(code, finals)

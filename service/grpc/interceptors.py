@@ -7,13 +7,18 @@ import grpc
 from google.protobuf import message_factory
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as gateway_pb
 
 from engine.errors import ValidationError
 from pagedserve.v1 import inference_pb2 as pb
 from service.front_door import authorized, unauthenticated_message
-from service.grpc import messages
+from service.grpc import gateway, messages
 from service.metrics import ServerMetrics
+
+
+def rpc_label(method: str) -> str:
+    """A method's name in the request metric, as its service's handlers count it."""
+    service, _, name = method.rpartition("/")
+    return gateway.METRIC_PREFIX + name if service == f"/{gateway.SERVICE_NAME}" else name
 
 
 async def refuse(
@@ -47,7 +52,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
 
         async def deny(request, context):
-            rpc = handler_call_details.method.rpartition("/")[2]
+            rpc = rpc_label(handler_call_details.method)
             message = unauthenticated_message(values)
             await refuse(self.metrics, rpc, context, grpc.StatusCode.UNAUTHENTICATED, message)
 
@@ -68,7 +73,7 @@ PARSED_SERVICES = {
     f"/{service.full_name}": service
     for service in (
         pb.DESCRIPTOR.services_by_name["Inference"],
-        gateway_pb.DESCRIPTOR.services_by_name["SglangScheduler"],
+        gateway.pb.DESCRIPTOR.services_by_name["SglangScheduler"],
     )
 }
 
@@ -94,7 +99,11 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
                 return messages.parse(message_type, data)
             except ValidationError as exc:
                 await refuse(
-                    self.metrics, name, context, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                    self.metrics,
+                    rpc_label(handler_call_details.method),
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    str(exc),
                 )
 
         async def unary(data: bytes, context):
