@@ -91,24 +91,17 @@ def test_shards_match_one_process(name: str, tmp_path: Path) -> None:
 
 
 def tiny_config(heads: int, kv_heads: int, vocab_size: int = 400) -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        bos_token_id=None,
-        eos_token_ids=(),
+    return ModelConfig.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab_size,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": 16,
+        }
     )
 
 
