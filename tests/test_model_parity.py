@@ -73,7 +73,8 @@ class PagedRunner:
 
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int = 64):
         self.model = model
-        shape = (num_blocks, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        # The KV heads the model holds: all of them, or a tensor-parallel rank's share.
+        shape = (num_blocks, 2, BLOCK_SIZE, model.shard.num_kv_heads, config.head_dim)
         self.kv_caches = [torch.zeros(shape) for _ in range(config.num_layers)]
         self.free_blocks = list(range(num_blocks))  # pop() takes the highest id
         self.block_tables: dict[int, list[int]] = {}

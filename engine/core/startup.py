@@ -59,9 +59,9 @@ def start_up(config: EngineConfig) -> EngineParts:
     )
     if kv_dtype == FP8_DTYPE and model_path.is_dir() and config.load_format != "dummy":
         set_kv_scales(model, read_kv_scales(safetensors_files(model_path), mc.num_layers))
-    attn.configure(
-        mc.num_heads,
-        mc.num_kv_heads,
+    attn.configure(  # the heads this rank holds: all of them in one process
+        model.shard.num_heads,
+        model.shard.num_kv_heads,
         mc.head_dim,
         dtype,
         mc.attention_scale,

@@ -50,9 +50,9 @@ def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
 
 def allocate_kv_pool(runner: ModelRunner, num_blocks: int) -> list[torch.Tensor]:
     """One zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor per layer, of
-    the runner's kv_dtype."""
+    the runner's kv_dtype, for the KV heads the model's shard holds."""
     cfg = runner.config
-    shape = (num_blocks, 2, runner.block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_blocks, 2, runner.block_size, runner.model.shard.num_kv_heads, cfg.head_dim)
     return [
         torch.zeros(shape, dtype=runner.kv_dtype, device=runner.device)
         for _ in range(cfg.num_layers)

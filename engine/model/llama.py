@@ -14,6 +14,10 @@ the norm in one fused op (one pass over memory on the GPU; the same numbers eith
 
 Parameter names follow Hugging Face, except the merged projections:
     self_attn.qkv_proj = [q_proj; k_proj; v_proj]    mlp.gate_up_proj = [gate_proj; up_proj]
+
+Under tensor parallelism each rank builds its shard (engine/parallel/shard.py): its heads,
+its part of the MLP and of the vocabulary; o_proj and down_proj outputs are summed across
+ranks, the embedding too, and the logits gathered. At size 1 no collective runs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from engine.kernels import fused_add_rms_norm, rms_norm, rotary_and_store_kv, si
 from engine.kernels.dispatch import use_triton
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding
+from engine.parallel.group import SINGLE_PROCESS, TensorParallel
+from engine.parallel.shard import ModelShard
 
 
 class RMSNorm(nn.Module):
@@ -107,22 +113,31 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        shard: ModelShard | None = None,  # None: the whole model
+    ):
         super().__init__()
+        shard = shard or ModelShard.whole(config)
         self.layer_index = layer_index
         self.backend = backend
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = shard.tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = shard.q_size
+        self.kv_size = shard.kv_size
         self.scale = config.attention_scale
         # An fp8 KV pool's scales for this layer (engine/kv/fp8.py); start-up sets them.
         self.k_scale = self.v_scale = 1.0
         self.qkv_proj = Linear(
-            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
+        # No bias (the config refuses one), so the ranks' partial sums add up to the output.
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:  # modules for their weights' names; rotary_and_store_kv applies them
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -150,7 +165,7 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, kv_cache, meta, scale=self.scale, k_scale=self.k_scale, v_scale=self.v_scale
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v: [T, heads, head_dim] views of the one merged projection."""
@@ -164,30 +179,58 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        shard = shard or ModelShard.whole(config)
+        self.tp = shard.tp
+        inter = shard.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
+        # No bias (the config refuses one), so the ranks' partial sums add up to the output.
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
-# (config, layer index) -> that layer's MLP: MoE models mix sparse and dense layers.
-MlpFactory = Callable[[ModelConfig, int], nn.Module]
+# (config, layer index, this rank's shard) -> that layer's MLP: MoE models mix sparse and
+# dense layers.
+MlpFactory = Callable[[ModelConfig, int, ModelShard], nn.Module]
 
 
-def dense_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
-    return MLP(config)
+def dense_mlp(config: ModelConfig, layer_index: int, shard: ModelShard) -> nn.Module:
+    return MLP(config, shard)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows of shard.vocab. An id another rank holds reads zeros here, so the
+    sum across ranks is each id's one row."""
+
+    def __init__(self, shard: ModelShard, hidden_size: int):
+        super().__init__(shard.vocab_rows, hidden_size)
+        self.tp = shard.tp
+        self.vocab = shard.vocab
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local_ids = input_ids - self.vocab.start
+        elsewhere = (local_ids < 0) | (local_ids >= len(self.vocab))
+        rows = super().forward(local_ids.masked_fill(elsewhere, 0))
+        return self.tp.all_reduce(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, backend: AttentionBackend, mlp: nn.Module
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        mlp: nn.Module,
+        shard: ModelShard,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index, backend)
+        self.self_attn = Attention(config, layer_index, backend, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -211,11 +254,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, make_mlp: MlpFactory):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        make_mlp: MlpFactory,
+        shard: ModelShard,
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, make_mlp(config, i)) for i in range(config.num_layers)
+            DecoderLayer(config, i, backend, make_mlp(config, i, shard), shard)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -246,22 +296,24 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         attn_backend: AttentionBackend,
         make_mlp: MlpFactory = dense_mlp,  # engine/model/moe.py's layer_mlp for MoE models
+        tp: TensorParallel = SINGLE_PROCESS,
     ):
         super().__init__()
         self.config = config
+        self.shard = ModelShard.of(config, tp)
         self.model = self.build_model(config, attn_backend, make_mlp)
         # Tied: the LM head reads the embedding matrix; no separate parameter exists.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, self.shard.vocab_rows, bias=False)
         )
 
     def build_model(
         self, config: ModelConfig, attn_backend: AttentionBackend, make_mlp: MlpFactory
     ) -> nn.Module:
         """The decoder under the LM head; a family with other layers builds its own."""
-        return LlamaModel(config, attn_backend, make_mlp)
+        return LlamaModel(config, attn_backend, make_mlp, self.shard)
 
     def forward(
         self,
@@ -277,4 +329,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, vocab] logits for N hidden rows, contiguous, in the model's dtype: the sampler
         and prompt_logprobs read them in float32 themselves, so no float32 copy is made."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head.weight).contiguous()
+        logits = linear(hidden, head.weight)
+        if self.shard.tp.size > 1:  # each rank's vocabulary rows, side by side, unpadded
+            logits = self.shard.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits.contiguous()

@@ -10,6 +10,11 @@ holds in fp8 (all of them with quantization "fp8") are built as Fp8Linear module
 checkpoint piece arrives as fp8 rows and their scales; elsewhere an fp8 tensor is
 dequantized to the target dtype as it arrives, once its scale has come too.
 
+Under tensor parallelism (tp.size > 1) the model is this rank's shard
+(engine/parallel/shard.py) and each safetensors tensor is read as the rows or columns the
+rank holds, the pieces of the merged q/k/v and gate/up too; what no shard is defined for
+yet (GGUF, fp8, mixture of experts, Gemma 3, Phi-3's fused projections) is refused.
+
 With random_weights no checkpoint tensor is read: every parameter is drawn on the device
 as transformers initialises a model (matrices normal with std 0.02, biases 0, norm
 weights at their neutral value), so a model's speed can be measured from its config alone.
@@ -21,7 +26,7 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,8 @@ from engine.model.gguf import gguf_model_config, gguf_tensors, open_gguf
 from engine.model.llama import Linear, LlamaForCausalLM
 from engine.model.moe import ExpertRows, layer_mlp, moe_checkpoint_pieces
 from engine.model.phi3 import FUSED_CHECKPOINTS, put_rotary_rows_in_order
+from engine.parallel.group import SINGLE_PROCESS, TensorParallel
+from engine.parallel.shard import ModelShard
 
 # (checkpoint name, tensor, file it came from)
 NamedTensors = Iterable[tuple[str, torch.Tensor, str]]
@@ -63,8 +70,10 @@ def load_model(
     attn_backend: AttentionBackend,
     random_weights: bool = False,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE_PROCESS,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model on `device` in `dtype`; quantization "fp8" makes its projections fp8."""
+    """The model (this rank's shard of it) on `device` in `dtype`; quantization "fp8" makes
+    its projections fp8."""
     path = Path(path)
     device = torch.device(device)
     if quantization is not None and not fp8_linear_runs(device):
@@ -76,6 +85,8 @@ def load_model(
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_file():
+        if tp.size > 1:
+            raise ModelLoadError("tensor parallelism does not shard GGUF files yet")
         if path.suffix != ".gguf":
             raise ModelLoadError(f"expected a model directory or a .gguf file, got {path}")
         reader = open_gguf(path)
@@ -85,9 +96,11 @@ def load_model(
         fp8_names: set[str] = set()
     else:
         config = read_hf_config(path)
+        if tp.size > 1:
+            _refuse_unsharded(config, quantization)
         files = [] if random_weights else safetensors_files(path)
         num_tensors = sum(len(_safetensors_keys(f)) for f in files)
-        named = _read_safetensors(files)
+        named = _read_safetensors(files, ModelShard.of(config, tp))
         fp8_names = _fp8_tensor_names(files) if config.fp8 is not None else set()
 
     if config.moe is not None and fp8_linear_runs(device):
@@ -96,7 +109,7 @@ def load_model(
         if config.gemma3 is not None:
             model = Gemma3ForCausalLM(config, attn_backend)
         else:
-            model = LlamaForCausalLM(config, attn_backend, layer_mlp)
+            model = LlamaForCausalLM(config, attn_backend, layer_mlp, tp)
     if fp8_linear_runs(device):
         fp8_modules = _fp8_projections(model, config, fp8_names, quantize=quantization == "fp8")
         use_fp8_linears(model, fp8_modules)
@@ -148,14 +161,50 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _read_safetensors(
+    files: list[Path], shard: ModelShard
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Each tensor, or the part of it the shard holds."""
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name), file.name
+                    index = shard.checkpoint_index(name)
+                    if index is None:
+                        yield name, f.get_tensor(name), file.name
+                    else:
+                        yield name, _read_index(f.get_slice(name), *index), file.name
         except SafetensorError as e:
             raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+def _read_index(tensor_slice: Any, dim: int, index: Sequence[int]) -> torch.Tensor:
+    """tensor.index_select(dim, index) of a safetensors slice, reading only the span of
+    rows or columns it covers."""
+    if isinstance(index, range):
+        return tensor_slice[(slice(None),) * dim + (slice(index.start, index.stop),)]
+    start, stop = min(index), max(index) + 1
+    span = tensor_slice[(slice(None),) * dim + (slice(start, stop),)]
+    return span.index_select(dim, torch.tensor(index) - start)
+
+
+def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:
+    """What tensor parallelism has no shard for yet, refused before anything loads."""
+    if quantization is not None:
+        raise ValidationError(
+            "quantization", f"{quantization} is not supported with tensor parallelism yet"
+        )
+    if config.moe is not None:
+        what = f"mixture-of-experts models ({config.architecture})"
+    elif config.gemma3 is not None:
+        what = "Gemma 3"
+    elif config.architecture in FUSED_CHECKPOINTS:
+        what = f"{config.architecture}'s fused q/k/v and gate/up checkpoints"
+    elif config.fp8 is not None:
+        what = "fp8 checkpoints"
+    else:
+        return
+    raise ModelLoadError(f"tensor parallelism does not shard {what} yet")
 
 
 def _safetensors_keys(file: Path) -> list[str]:
@@ -178,7 +227,9 @@ def _load_weights(
     params = dict(model.named_parameters())
     shapes = {name: tuple(p.shape) for name, p in params.items()}
     fp8_scales = {name for name, p in params.items() if name.endswith(".weight_scale")}
-    pieces = checkpoint_pieces({n: s for n, s in shapes.items() if n not in fp8_scales}, config)
+    pieces = checkpoint_pieces(
+        {n: s for n, s in shapes.items() if n not in fp8_scales}, config, model.shard
+    )
     weights: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     scales: dict[str, torch.Tensor] = {}  # fp8 checkpoint weight name -> its scale
@@ -240,8 +291,8 @@ def _load_weights(
         if rows is None:
             weights[param] = tensor.to(device=device, dtype=dtype).contiguous()
         else:
-            if param not in weights:
-                weights[param] = torch.empty(shapes[param], dtype=dtype, device=device)
+            if param not in weights:  # zeros: a padded vocabulary shard's tail stays zero
+                weights[param] = torch.zeros(shapes[param], dtype=dtype, device=device)
             weights[param][rows].copy_(tensor)
         loaded.add(name)
 
@@ -285,7 +336,7 @@ def _fp8_projections(
     those whose checkpoint pieces are all fp8; each only where the fp8 matmul takes its shape."""
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     parts: dict[str, list[str]] = {}
-    for name, (param, _) in checkpoint_pieces(shapes, config).items():
+    for name, (param, _) in checkpoint_pieces(shapes, config, model.shard).items():
         parts.setdefault(param, []).append(name)
     chosen = set()
     for name, module in model.named_modules():
@@ -350,10 +401,12 @@ def _shape_of(shape: tuple[int, ...], rows: slice | ExpertRows) -> tuple[int, ..
 
 
 def checkpoint_pieces(
-    param_shapes: dict[str, tuple[int, ...]], config: ModelConfig
+    param_shapes: dict[str, tuple[int, ...]], config: ModelConfig, shard: ModelShard
 ) -> dict[str, tuple[str, Rows]]:
-    """Checkpoint tensor name -> (our parameter, its rows in that parameter or None for all)."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    """Checkpoint tensor name (the shard's part of it) -> (our parameter, its rows in that
+    parameter or None for all)."""
+    q, kv, inter = shard.q_size, shard.kv_size, shard.intermediate_size
+    vocab = len(shard.vocab)
     merged = {
         "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
         "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
@@ -368,6 +421,8 @@ def checkpoint_pieces(
         elif module in merged:
             for part, start, rows in merged[module]:
                 pieces[param.replace(module, part)] = (param, slice(start, start + rows))
+        elif module in ("embed_tokens", "lm_head") and vocab < shard.vocab_rows:
+            pieces[param] = (param, slice(0, vocab))  # the padded rows past it stay zero
         else:
             pieces[param] = (param, None)
     return pieces

@@ -29,6 +29,7 @@ from engine.kernels.fused_moe import grouped_mm_experts, grouped_mm_fits, triton
 from engine.model.config import ModelConfig
 from engine.model.llama import MLP, linear
 from engine.model.moe_config import MoeConfig
+from engine.parallel.shard import ModelShard
 
 # Checkpoint rows of one expert's projection: (expert, rows) inside our stacked parameter.
 ExpertRows = tuple[int, slice]
@@ -120,11 +121,12 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, weights, experts)
 
 
-def layer_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
-    """A decoder layer's MLP: sparse where the config says so, else the dense one."""
+def layer_mlp(config: ModelConfig, layer_index: int, shard: ModelShard) -> nn.Module:
+    """A decoder layer's MLP: sparse where the config says so (held whole: the loader
+    refuses to shard one), else the dense one."""
     if config.moe is not None and config.moe.is_sparse_layer(layer_index):
         return SparseMoeBlock(config, config.moe)
-    return MLP(config)
+    return MLP(config, shard)
 
 
 def moe_checkpoint_pieces(
