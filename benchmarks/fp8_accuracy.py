@@ -1,6 +1,7 @@
 """What each fp8 mode costs in accuracy: teacher-forced top-1 agreement with bf16, and NLL.
 
-    python benchmarks/fp8_accuracy.py [--model PATH] [--device cpu|cuda] --json-out result.json
+    python benchmarks/fp8_accuracy.py [--model PATH | --random-shape NAME] [--device cpu|cuda]
+        --json-out result.json
 
 The model (default: the embedded SmolLM2-135M-Instruct) reads a fixed English text once per
 mode, through the engine's prompt logprobs: at every position its top-2 next tokens and the
@@ -9,6 +10,10 @@ agreement is the share of positions where its top-1 token is bf16's, overall and
 decisive positions (bf16's top two at least 0.1 apart); its NLL is the mean negative
 logprob of the text's tokens. A mode the device cannot run (fp8 weights on the CPU) is
 reported with the one line that refuses it.
+
+With --random-shape the weights are random bf16 ones in a shape of benchmarks/gpu_bench.py
+(transformers' initialisation), reading the same text as the embedded model's tokens; its
+NLL means nothing, its agreement says what fp8 does to weights that were never trained.
 """
 
 from __future__ import annotations
@@ -51,8 +56,11 @@ MODES = {
 }
 
 
-def read_text(model: str | None, device: str, settings: dict) -> list | str:
-    """Each position's TokenLogprob (top 2) for the text, or the line refusing the mode."""
+def read_text(
+    model: str | None, device: str, settings: dict, text: str | list[int] = TEXT
+) -> list | str:
+    """Each position's TokenLogprob (top 2) for the text (or its token ids), or the line
+    refusing the mode."""
     from engine.errors import ModelLoadError, ValidationError
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -62,7 +70,7 @@ def read_text(model: str | None, device: str, settings: dict) -> list | str:
     except (ValidationError, ModelLoadError, ValueError) as exc:
         return str(exc)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
-    (output,) = llm.generate([TEXT], params)
+    (output,) = llm.generate([text], params)
     return [p for p in output.prompt_logprobs if p is not None]
 
 
@@ -81,19 +89,41 @@ def compare(reference: list, positions: list) -> dict:
     }
 
 
+def random_model(shape: str) -> tuple[str, list[int]]:
+    """A random-weight model of `shape` (written once, under the temp dir) and the text as
+    the embedded model's tokens, which index its vocabulary as well."""
+    import tempfile
+
+    from benchmarks.gpu_bench import SHAPES, write_random_model
+    from engine.model_store import resolve_model
+    from engine.text.tokenizer import Tokenizer
+
+    path = Path(tempfile.gettempdir()) / "pagedserve-bench-models" / shape
+    write_random_model(SHAPES[shape], path)
+    ids = Tokenizer.from_path(resolve_model(None)).encode(TEXT)
+    assert max(ids) < SHAPES[shape].vocab_size, "the text's tokens are not in its vocabulary"
+    return str(path), ids
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--random-shape", default=None, help="random weights in this gpu_bench shape instead"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()
 
+    model, text = args.model, TEXT
+    if args.random_shape is not None:
+        model, text = random_model(args.random_shape)
     results: dict = {}
     reference = None
     for mode, settings in MODES.items():
-        positions = read_text(args.model, args.device, settings)
+        positions = read_text(model, args.device, settings, text)
         if isinstance(positions, str):
             results[mode] = {"not_run": positions}
         else:
@@ -103,7 +133,10 @@ def main() -> None:
             results[mode] |= compare(reference, positions)
         print(f"{mode}: {results[mode]}")
     if args.json_out:
-        result = {**run_info(), "model": args.model or "embedded default", "device": args.device}
+        name = args.model or "embedded default"
+        if args.random_shape is not None:
+            name = f"random weights, {args.random_shape} shape"
+        result = {**run_info(), "model": name, "device": args.device}
         args.json_out.write_text(json.dumps({**result, "modes": results}, indent=2) + "\n")
 
 
