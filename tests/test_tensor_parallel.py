@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.errors import ModelLoadError
+from engine.kv.pool import kv_bytes_per_block
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
@@ -186,3 +187,14 @@ def test_gguf_is_refused(tmp_path: Path) -> None:
     gguf_path = write_tiny_gguf(write_tiny_model(tmp_path / "hf", "llama"), tmp_path / "m.gguf")
     with pytest.raises(ModelLoadError, match="GGUF"):
         load_model(gguf_path, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(0, 2))
+
+
+def test_a_ranks_kv_blocks_hold_its_kv_heads_only(tmp_path: Path) -> None:
+    """The pool is sized by the bytes of the KV heads a rank holds, not the model's."""
+    directory = write_tiny_model(tmp_path, "llama", num_attention_heads=6, hidden_size=96)
+    model, config = load_model(
+        directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(0, 2)
+    )
+    assert (config.num_kv_heads, model.shard.num_kv_heads) == (2, 1)
+    whole = kv_bytes_per_block(config, 16, torch.float32)
+    assert kv_bytes_per_block(config, 16, torch.float32, model.shard.num_kv_heads) == whole // 2

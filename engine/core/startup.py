@@ -14,7 +14,7 @@ from engine.core.cuda_graphs import CudaGraphRunner, graph_batch_sizes, graph_me
 from engine.core.kernel_cache import apply_kernel_cache_dir
 from engine.core.runner import ModelRunner
 from engine.kv.fp8 import FP8_DTYPE, read_kv_scales, set_kv_scales
-from engine.kv.pool import allocate_kv_pool, kv_bytes_per_block, kv_cache_dtype, num_kv_blocks
+from engine.kv.pool import allocate_kv_pool, kv_cache_dtype, num_kv_blocks, runner_block_bytes
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model, safetensors_files
 from engine.model_store import resolve_model
@@ -112,7 +112,7 @@ def start_up(config: EngineConfig) -> EngineParts:
         num_blocks,
         block_size,
         str(kv_dtype).removeprefix("torch."),
-        num_blocks * kv_bytes_per_block(mc, block_size, kv_dtype) / 2**30,
+        num_blocks * runner_block_bytes(runner) / 2**30,
         pool_tokens,
         max_model_len,
         "CUDA graphs" if use_graphs else "eager",

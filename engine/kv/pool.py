@@ -59,10 +59,21 @@ def allocate_kv_pool(runner: ModelRunner, num_blocks: int) -> list[torch.Tensor]
     ]
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """A block's bytes over every layer, for num_kv_heads KV heads (None: the model's; a
+    tensor-parallel rank holds its shard's)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * config.num_kv_heads * config.head_dim * element_size
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    per_layer = 2 * block_size * heads * config.head_dim * element_size
     return config.num_layers * per_layer
+
+
+def runner_block_bytes(runner: ModelRunner) -> int:
+    """A block's bytes in the runner's pool: its KV dtype, the KV heads its shard holds."""
+    heads = runner.model.shard.num_kv_heads
+    return kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype, heads)
 
 
 def num_kv_blocks(config: EngineConfig, runner: ModelRunner, graph_reserve: int) -> int:
@@ -79,8 +90,7 @@ def num_kv_blocks(config: EngineConfig, runner: ModelRunner, graph_reserve: int)
             sched.max_num_seqs,
             graph_reserve,
         )
-    block_bytes = kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype)
-    return max(1, int(cache.kv_cache_memory_gib * 2**30 // block_bytes))
+    return max(1, int(cache.kv_cache_memory_gib * 2**30 // runner_block_bytes(runner)))
 
 
 def fit_kv_blocks(
@@ -103,9 +113,7 @@ def fit_kv_blocks(
     outside_torch = total - free - torch.cuda.memory_reserved(device)
     peak = torch.cuda.max_memory_allocated(device)
     budget = total * gpu_memory_utilization - outside_torch - peak - graph_reserve
-    num_blocks = int(
-        budget // kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype)
-    )
+    num_blocks = int(budget // runner_block_bytes(runner))
     if num_blocks < 1:
         gib = 2**30
         raise ValidationError(
