@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from engine.errors import DuplicateRequest, ValidationError
 from engine.kv.events import BlockRemoved, BlockStored
-from engine.outputs import CandidateEvent, FinishReason, TokenLogprob
+from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, TokenLogprob
 from engine.structured.constraints import Constraint
 from engine.text.tokenizer import Tokenizer
 from service.convert import prompt_named
@@ -177,19 +177,17 @@ class GatewayWorkerService(ObservedCalls, sglang_scheduler_pb2_grpc.SglangSchedu
             except Exception as exc:
                 await abort(context, exc)
             context.add_done_callback(lambda _: stream.cancel())
-            prompt_tokens = len(inputs.prompts[0])
-            outputs = [Candidate() for _ in range(inputs.params.n)]
+            output = RequestOutputBuilder.start(request_id, inputs.prompts[0], inputs.params.n)
             async for event in stream:  # leaving early, by any door, cancels the request
-                candidate = outputs[event.index]
-                candidate.add(event)
+                output.add(event)
                 if request.stream and event.token_ids:
-                    chunk = candidate.chunk(event, prompt_tokens)
+                    chunk = stream_chunk(event, output)
                     yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
                 if event.finished:
                     finals.append(event)
                     if event.finish_reason is FinishReason.ERROR:
                         await abort(context, RequestFailed.of(event))
-                    complete = candidate.complete(event, prompt_tokens)
+                    complete = completion(event, output)
                     yield pb.GenerateResponse(request_id=request_id, complete=complete)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -224,44 +222,36 @@ class GatewayWorkerService(ObservedCalls, sglang_scheduler_pb2_grpc.SglangSchedu
                 await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
 
 
-class Candidate:
-    """What one candidate has put out so far: its token ids and their logprobs."""
+def stream_chunk(event: CandidateEvent, output: RequestOutputBuilder) -> pb.GenerateStreamChunk:
+    """A step's new tokens of one candidate, with its counts so far."""
+    return pb.GenerateStreamChunk(
+        token_ids=event.token_ids,
+        prompt_tokens=len(output.prompt_token_ids),
+        completion_tokens=len(output.token_ids[event.index]),
+        output_logprobs=output_logprobs(event.logprobs),
+        input_logprobs=input_logprobs(event.prompt_logprobs),
+        index=event.index,
+    )
 
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
 
-    def add(self, event: CandidateEvent) -> None:
-        self.token_ids += event.token_ids
-        self.logprobs += event.logprobs or []
-
-    def chunk(self, event: CandidateEvent, prompt_tokens: int) -> pb.GenerateStreamChunk:
-        return pb.GenerateStreamChunk(
-            token_ids=event.token_ids,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(self.token_ids),
-            output_logprobs=output_logprobs(event.logprobs),
-            input_logprobs=input_logprobs(event.prompt_logprobs),
-            index=event.index,
-        )
-
-    def complete(self, event: CandidateEvent, prompt_tokens: int) -> pb.GenerateComplete:
-        usage = event.usage
-        complete = pb.GenerateComplete(
-            output_ids=self.token_ids,
-            finish_reason=FINISH_REASONS[event.finish_reason],
-            prompt_tokens=usage.prompt_tokens if usage else prompt_tokens,
-            completion_tokens=len(self.token_ids),
-            cached_tokens=usage.cached_tokens if usage else 0,
-            output_logprobs=output_logprobs(self.logprobs or None),
-            input_logprobs=input_logprobs(event.prompt_logprobs),
-            index=event.index,
-        )
-        if isinstance(event.matched_stop, str):
-            complete.matched_stop_str = event.matched_stop
-        elif isinstance(event.matched_stop, int):
-            complete.matched_token_id = event.matched_stop
-        return complete
+def completion(final: CandidateEvent, output: RequestOutputBuilder) -> pb.GenerateComplete:
+    """A candidate's whole answer, on its final event."""
+    usage, index = final.usage, final.index
+    complete = pb.GenerateComplete(
+        output_ids=output.token_ids[index],
+        finish_reason=FINISH_REASONS[final.finish_reason],
+        prompt_tokens=usage.prompt_tokens if usage else len(output.prompt_token_ids),
+        completion_tokens=len(output.token_ids[index]),
+        cached_tokens=usage.cached_tokens if usage else 0,
+        output_logprobs=output_logprobs(output.outputs[index].logprobs),
+        input_logprobs=input_logprobs(final.prompt_logprobs),
+        index=index,
+    )
+    if isinstance(final.matched_stop, str):
+        complete.matched_stop_str = final.matched_stop
+    elif isinstance(final.matched_stop, int):
+        complete.matched_token_id = final.matched_stop
+    return complete
 
 
 def generation_request(request: pb.GenerateRequest) -> GenerationRequest:
