@@ -93,6 +93,7 @@ class FrontDoor:
         log_requests: bool = False,
         tool_parser: str = "auto",
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        kv_events_endpoint: str | None = None,  # ServerConfig.kv_events_endpoint
     ) -> None:
         self.engine: AsyncEngine | None = None
         self.model_name = ""
@@ -102,7 +103,9 @@ class FrontDoor:
         self.log_requests = log_requests  # ServerConfig.log_requests
         self.tool_parser_setting = tool_parser  # ServerConfig.tool_parser
         self.max_message_bytes = max_message_bytes  # the largest request or answer
-        self.kv_events = KvEventHub()  # the engine's KV events, to whoever follows them
+        # The engine's KV events, to whoever follows them; a ZMQ socket is taken here, so
+        # a port in use fails the start.
+        self.kv_events = KvEventHub(kv_events_endpoint)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -27,7 +27,6 @@ from service.convert import sampling_params
 from service.front_door import FrontDoor, request_log
 from service.grpc import messages
 from service.grpc.server import GrpcServer, start_grpc
-from service.kv_events import KvEventHub
 from service.metrics import process_age
 from service.tracing import configure_tracing
 
@@ -136,9 +135,12 @@ class Server:
 
 async def start_server(config: ServerConfig) -> Server:
     """Start every configured door (REST's fastapi is imported only when it is on)."""
-    door = FrontDoor(config.log_requests, config.tool_parser, config.max_message_bytes)
-    if config.kv_events_endpoint is not None:  # bound now: a port taken fails the start
-        door.kv_events = KvEventHub(config.kv_events_endpoint)
+    door = FrontDoor(
+        config.log_requests,
+        config.tool_parser,
+        config.max_message_bytes,
+        config.kv_events_endpoint,
+    )
     # Whatever log_level says: asking for them means showing them.
     request_log.setLevel(logging.INFO if config.log_requests else logging.NOTSET)
     # Up before the model loads, so a scrape during a slow start still answers.
