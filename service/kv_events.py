@@ -17,6 +17,7 @@ and hands it to:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -85,13 +86,12 @@ class KvEventHub:
         with self._lock:
             if after > self._last_sequence:
                 raise ResumeTooOld(f"batch {after} was never published here")
-            held = [batch for batch in self._history if batch.sequence_number > after]
-            if after and after < self._last_sequence and held[0].sequence_number != after + 1:
-                raise ResumeTooOld(
-                    f"batches after {after} are gone (held from {held[0].sequence_number} on)"
-                )
-            for batch in held if after else ():
-                subscription.offer(batch)
+            if after:  # the history is numbered without gaps, up to the last batch
+                oldest = self._history[0].sequence_number
+                if oldest > after + 1:
+                    raise ResumeTooOld(f"batches after {after} are gone (held from {oldest} on)")
+                for batch in itertools.islice(self._history, after + 1 - oldest, None):
+                    subscription.offer(batch)
             self._subscriptions.add(subscription)
         return subscription
 
