@@ -22,7 +22,6 @@ import hashlib
 import io
 import json
 import time
-import uuid
 import zipfile
 from collections.abc import AsyncIterator
 
@@ -31,14 +30,14 @@ from google.protobuf import struct_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from engine.errors import DuplicateRequest, ValidationError
+from engine.errors import ValidationError
 from engine.kv.events import BlockRemoved, BlockStored
 from engine.outputs import CandidateEvent, FinishReason, RequestOutputBuilder, TokenLogprob
 from engine.structured.constraints import Constraint
 from engine.text.tokenizer import Tokenizer
 from service.convert import prompt_named
 from service.errors import RequestFailed, ServiceUnavailable
-from service.front_door import FrontDoor, check_request_id
+from service.front_door import FrontDoor
 from service.grpc.handlers import ObservedCalls, abort, engine_request_id
 from service.kv_events import KvEventBatch, ResumeTooOld, SubscriberFellBehind
 from service.request import GenerationRequest, Prompt
@@ -162,21 +161,14 @@ class GatewayWorkerService(ObservedCalls, sglang_scheduler_pb2_grpc.SglangSchedu
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator:
         with self.observed("Generate", context) as finals, self.door.in_flight_call():
             engine = await self.ready(context)
-            request_id = request.request_id or uuid.uuid4().hex
-            engine_id = engine_request_id(caller_scope(context), request_id)
-            try:
-                check_request_id(request_id)
-                call = generation_request(request)
-                inputs = self.door.convert(engine, call)
-                [stream] = await self.door.submit(
-                    engine, call, inputs, engine_id, [engine_id], DOOR
-                )
-            except DuplicateRequest:
-                message = f"{request_id!r} is already running; abort it or pick another"
-                await abort(context, DuplicateRequest("request_id", message))
-            except Exception as exc:
-                await abort(context, exc)
-            context.add_done_callback(lambda _: stream.cancel())
+            request_id, inputs, stream = await self.submit_call(
+                engine,
+                context,
+                request.request_id,
+                lambda: generation_request(request),
+                DOOR,
+                stop_rpc="abort",
+            )
             output = RequestOutputBuilder.start(request_id, inputs.prompts[0], inputs.params.n)
             async for event in stream:  # leaving early, by any door, cancels the request
                 output.add(event)

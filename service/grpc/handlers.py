@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -21,11 +21,12 @@ from engine.serving.request_stream import RequestStream, StreamOverflow
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
 from service.answer import Answer
-from service.convert import named_as_sent, tokenize
+from service.convert import EngineInputs, named_as_sent, tokenize
 from service.errors import INTERNAL, RETRY_AFTER_SECONDS, RequestFailed, TooLarge, status_of
 from service.front_door import FrontDoor, check_request_id
 from service.grpc import messages
 from service.metrics import rpc_status
+from service.request import GenerationRequest
 from service.tls import caller_scope
 from service.tool_calls import ToolCallReader
 from service.tracing import RequestTracer
@@ -85,6 +86,37 @@ class ObservedCalls:
             return self.door.ready_engine()
         except Exception as exc:
             await abort(context, exc)
+
+    async def submit_call(
+        self,
+        engine: AsyncEngine,
+        context,
+        request_id: str,
+        parse: Callable[[], GenerationRequest],
+        door: str,
+        stop_rpc: str = "cancel",
+    ) -> tuple[str, EngineInputs, RequestStream]:
+        """Parse (parse()), convert and queue one call's request; aborts the RPC with its
+        status on failure. Returns the caller's request id (one drawn where it sent none),
+        the inputs, and the stream, which carries the engine's id (engine_request_id). The
+        moment the RPC ends, however it ends (the client cancels, its deadline passes, its
+        channel or process goes), the engine request is cancelled unless it finished: a
+        unary call writes nothing until its end, so no failed write would tell. stop_rpc:
+        what the service calls stopping a request, for the duplicate id's message."""
+        request_id = request_id or uuid.uuid4().hex  # 122 random bits: unguessable
+        engine_id = engine_request_id(caller_scope(context), request_id)
+        try:
+            check_request_id(request_id)
+            call = parse()
+            inputs = self.door.convert(engine, call)
+            [stream] = await self.door.submit(engine, call, inputs, engine_id, [engine_id], door)
+        except DuplicateRequest:  # the caller's own request with this id is running
+            message = f"{request_id!r} is already running; {stop_rpc} it or pick another"
+            await abort(context, DuplicateRequest("request_id", message))
+        except Exception as exc:
+            await abort(context, exc)
+        context.add_done_callback(lambda _: stream.cancel())
+        return request_id, inputs, stream
 
 
 class InferenceService(ObservedCalls, inference_pb2_grpc.InferenceServicer):
@@ -190,25 +222,11 @@ class InferenceService(ObservedCalls, inference_pb2_grpc.InferenceServicer):
     async def _submit(
         self, engine: AsyncEngine, request: pb.GenerateRequest, context, door: str
     ) -> tuple[Answer, RequestStream]:
-        """Parse, convert and queue; aborts the RPC with its status on failure. Returns the
-        answer to gather, under the caller's request id, and the stream, which carries the
-        engine's (engine_request_id). The moment the RPC ends, however it ends (the client
-        cancels, its deadline passes, its channel or process goes), the engine request is
-        cancelled unless it finished: a unary call writes nothing until its end, so no
-        failed write would tell."""
-        request_id = request.request_id or uuid.uuid4().hex  # 122 random bits: unguessable
-        engine_id = engine_request_id(caller_scope(context), request_id)
-        try:
-            check_request_id(request_id)
-            call = messages.generation_request(request)
-            inputs = self.door.convert(engine, call)
-            [stream] = await self.door.submit(engine, call, inputs, engine_id, [engine_id], door)
-        except DuplicateRequest:  # the caller's own request with this id is running
-            message = f"{request_id!r} is already running; cancel it or pick another"
-            await abort(context, DuplicateRequest("request_id", message))
-        except Exception as exc:
-            await abort(context, exc)
-        context.add_done_callback(lambda _: stream.cancel())
+        """Parse, convert and queue (submit_call); the answer to gather, under the caller's
+        request id, and the stream."""
+        request_id, inputs, stream = await self.submit_call(
+            engine, context, request.request_id, lambda: messages.generation_request(request), door
+        )
         output = RequestOutputBuilder.start(request_id, inputs.prompts[0], inputs.params.n)
         return Answer([output], inputs.params.n, ToolCallReader(inputs.tools)), stream
 
