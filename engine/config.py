@@ -115,6 +115,12 @@ class EngineConfig:
     # can and is dequantized to `dtype` elsewhere (engine/model/fp8.py).
     quantization: str | None = None
     max_model_len: int | None = None  # None = the model's own context length
+    # Ranks the model is split over (engine/parallel/): one process and one GPU each, this
+    # one and tensor_parallel_size - 1 workers it starts; CUDA's take consecutive GPUs from
+    # the device's index.
+    tensor_parallel_size: int = 1
+    # Seconds a tensor-parallel collective may wait for a rank before the engine fails.
+    tensor_parallel_timeout: float = 120.0
     engine_seed: int = 0  # seeds the draws for requests that bring no seed
     enforce_eager: bool = False  # CUDA: never replay CUDA graphs (run every step eagerly)
     # Queue step t+1 before reading step t's tokens back (engine.step). None: on for CUDA,
@@ -174,6 +180,15 @@ class EngineConfig:
             raise ValidationError(
                 "grammar_step_timeout",
                 f"must be a finite number > 0, got {self.grammar_step_timeout}",
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValidationError(
+                "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if not 0 < self.tensor_parallel_timeout < float("inf"):
+            raise ValidationError(
+                "tensor_parallel_timeout",
+                f"must be a finite number > 0, got {self.tensor_parallel_timeout}",
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValidationError("max_model_len", f"must be >= 1, got {self.max_model_len}")

@@ -205,6 +205,18 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _setting(
         "engine",
+        "tensor_parallel_size",
+        "split the model over this many ranks, a process and a GPU each (consecutive GPUs "
+        "from the device's index; gloo processes on the CPU)",
+    ),
+    _setting(
+        "engine",
+        "tensor_parallel_timeout",
+        "seconds a tensor-parallel collective may wait for a rank before the engine fails "
+        "(and the server exits)",
+    ),
+    _setting(
+        "engine",
         "async_scheduling",
         "queue the next step before reading this one's tokens back; unset: on for CUDA only",
     ),

@@ -154,6 +154,8 @@ SAMPLES = {
     "device": "cpu",
     "dtype": "float16",
     "max_model_len": 77,
+    "tensor_parallel_size": 3,
+    "tensor_parallel_timeout": 45.0,
     "engine_seed": 5,
     "enforce_eager": True,
     "grammar_compile_timeout": 2.5,

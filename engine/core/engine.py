@@ -80,6 +80,7 @@ class LLMEngine:
         parts = start_up(config)
         self.tokenizer, self.model_config = parts.tokenizer, parts.model_config
         self.runner, self.info = parts.runner, parts.info  # the warm-up adds its time to info
+        self.workers = parts.workers
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         caching = config.cache.enable_prefix_caching
         # What the prefix cache publishes and evicts is recorded for routers to follow.
@@ -183,6 +184,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Requests are running, or a step is still in flight (step() collects it)."""
         return bool(self.requests) or self._in_flight is not None
+
+    def check_ranks(self) -> None:
+        """Raise WorkerLost if a tensor-parallel worker has exited (a cheap poll)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step after this."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def reset_state(self) -> None:
         """Forget all that ran, as if just built: after a warm-up, so that metrics and the
@@ -574,7 +585,10 @@ class LLMEngine:
         return self._finish_request(request_id, FinishReason.ERROR, error)
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[CandidateEvent]:
-        """End the requests of a step that raised exc (call from its except block)."""
+        """End the requests of a step that raised exc (call from its except block). Under
+        tensor parallelism the ranks may no longer agree: the engine ends (WorkerLost)."""
+        if self.workers is not None:
+            raise self.workers.failure(exc) from exc
         log.exception("step failed; failing %d requests", len(chunks))
         error = f"engine error: {type(exc).__name__}: {exc}"
         events: list[CandidateEvent] = []

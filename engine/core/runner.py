@@ -12,6 +12,7 @@ collect() reads them back, a step's one host sync.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -52,7 +53,9 @@ class StepPlan:
     # 0 in a middle chunk of a prefill, 1, or more to verify tokens a proposer wrote.
     num_samples: np.ndarray  # int32 [B]
     num_prompt_tokens: np.ndarray  # int32 [B]: where its output starts, for penalties
-    sampling: SamplingRows[np.ndarray]  # one row per sample, sequence after sequence
+    # One row per sample, sequence after sequence; None on a tensor-parallel worker, which
+    # runs the forward and leaves sampling to the driver.
+    sampling: SamplingRows[np.ndarray] | None
     prompt_logprobs: dict[int, int]  # sequence -> alternatives, where its chunk's are wanted
     changes: BatchChanges  # written into the tables first
 
@@ -71,7 +74,7 @@ class ForwardStep:
 
     logits: torch.Tensor | None  # the rows to read: sampled first, then prompt-predicting
     num_samples: int
-    sampling: SamplingRows[torch.Tensor]
+    sampling: SamplingRows[torch.Tensor] | None  # the plan's, on the device
     targets: torch.Tensor  # where each sampled token goes in the token table
     spans: dict[int, tuple[int, int]]  # see _StepRows
     prompt_logprobs: dict[int, int]  # the plan's
@@ -111,6 +114,13 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts.astype(np.int64), counts) + np.arange(total) - offsets
 
 
+class PlanChannel(Protocol):
+    """Where a tensor-parallel driver sends each step to the other ranks
+    (engine/parallel/channel.py)."""
+
+    def send_step(self, plan: StepPlan, tokens: torch.Tensor | None) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -140,16 +150,23 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None  # set by start-up, where graphs are used
         self.num_graph_steps = 0  # forwards that replayed a graph
         self.sampler = Sampler()
+        # Under tensor parallelism, on the driver: how the other ranks hear each step's plan
+        # (set by start-up once every rank is built).
+        self.channel: PlanChannel | None = None
+        self._unshared_targets: torch.Tensor | None = None  # the last sampled tokens' places
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardStep:
         """Queue a step's model forward on the device; sample() queues the rest."""
+        if self.channel is not None:  # every rank runs the forward: the plan goes out first
+            self.channel.send_step(plan, self._take_sampled_tokens())
         graph = self._replayable(plan)
         rows = self._graph_rows(plan) if graph else self._eager_rows(plan)
         self.num_graph_steps += graph
         history = self._penalty_history(plan, rows)
         targets = rows.sample_slots * self.token_width + rows.sample_ends
-        host = [*plan.changes, targets, *rows.uploads, *history, *plan.sampling.arrays()]
+        sampling_arrays = plan.sampling.arrays() if plan.sampling is not None else []
+        host = [*plan.changes, targets, *rows.uploads, *history, *sampling_arrays]
         uploaded = upload(host, self.device)
         self.batch.apply(uploaded[:4])
         targets_d, token_inputs = uploaded[4:6]
@@ -183,7 +200,9 @@ class ModelRunner:
             width, pad = int(history[2].max()), self.config.vocab_size
             seen_ids, output_ids = self.batch.history(*rest[:3], width, pad)
             rest = rest[3:]
-        sampling = plan.sampling.on_device(rest, seen_ids, output_ids)
+        sampling = None
+        if plan.sampling is not None:
+            sampling = plan.sampling.on_device(rest, seen_ids, output_ids)
         # Every chunk a middle piece of a prefill: no row to read.
         logits = self.model.compute_logits(hidden) if len(hidden) else None
         return ForwardStep(
@@ -203,6 +222,8 @@ class ModelRunner:
         counts, logits = sampling.logprob_counts, step.logits
         out = self.sampler(logits[: step.num_samples], sampling)
         self.batch.write_tokens(step.targets, out.token_ids)
+        if self.channel is not None:  # the other ranks get them with the next step
+            self._unshared_targets = step.targets
         outputs = [out.token_ids]
         if sampling.needs_logprobs:
             top_ids, top_lps = out.top_token_ids, out.top_logprobs
@@ -295,12 +316,18 @@ class ModelRunner:
     def _penalty_history(self, plan: StepPlan, rows: _StepRows) -> list[np.ndarray]:
         """Where the penalty rows' token histories are: their slots, the start of their
         output and the position they predict (their history ends before it)."""
-        penalised = plan.sampling.penalty_rows
+        penalised = plan.sampling.penalty_rows if plan.sampling is not None else None
         if penalised is None:
             return []
         owners = np.repeat(np.arange(len(plan.slots)), plan.num_samples)[penalised]
         starts = plan.num_prompt_tokens[owners].astype(np.int64)
         return [rows.sample_slots[penalised], starts, rows.sample_ends[penalised]]
+
+    def _take_sampled_tokens(self) -> torch.Tensor | None:
+        """The tokens sample() wrote since the last forward (int32, from the token table,
+        read after the sampler in stream order); None when it wrote none."""
+        targets, self._unshared_targets = self._unshared_targets, None
+        return None if targets is None else self.batch.token_ids.view(-1)[targets]
 
     @property
     def max_graph_rows(self) -> int | None:

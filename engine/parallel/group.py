@@ -42,5 +42,13 @@ class TensorParallel:
         dist.all_gather(parts, x)
         return torch.cat(parts, dim=-1)
 
+    def smallest(self, value: int, device: torch.device) -> int:
+        """The least of every rank's value (a collective on `device`'s backend)."""
+        if self.size == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
+
 
 SINGLE_PROCESS = TensorParallel()

@@ -113,6 +113,7 @@ def run_engine_loop(
         deliver(LoopOutput(admissions, events, finished, stats, kv_events))
 
     while True:
+        engine.check_ranks()  # a lost rank ends the loop even while it idles
         items = take(not engine.has_unfinished_requests and not compiling)
         admissions, events = [], []
         withdrawn = {i.ticket: i for i in items if isinstance(i, Cancel) and i.ticket is not None}
@@ -180,6 +181,7 @@ def run_core(
     such as the OpenMP pool must live): build it, warm it up, send its first stats and then
     its EngineInfo (it is ready), run the loop. A failure is sent as Failed; returns whether
     it ended by a Stop."""
+    engine = None
     try:
         engine = build()
         if warmup:
@@ -192,6 +194,9 @@ def run_core(
         log.exception("the engine failed to start, or its loop died")
         send(Failed(f"{type(exc).__name__}: {exc}"))
         return False
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 class EngineCore:
