@@ -197,6 +197,25 @@ def test_a_rank_reads_only_its_rows(tmp_path: Path) -> None:
     assert embed.shape[0] == -(-config.vocab_size // 3)
 
 
+def test_a_rank_reads_its_rows_of_each_fused_part(tmp_path: Path) -> None:
+    """Phi-3's checkpoint stacks q/k/v in one qkv_proj and gate/up in one gate_up_proj."""
+    directory = write_tiny_model(tmp_path, "phi3", **SIX_HEADS)
+    model, config = load_model(
+        directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(1, 3)
+    )
+    whole, _ = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    layer, whole_layer = model.model.layers[1], whole.model.layers[1]
+    qkv, whole_qkv = layer.self_attn.qkv_proj.weight, whole_layer.self_attn.qkv_proj.weight
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    # Rank 1 of 3: query heads 2-3, KV heads 0 and 1 (each 16 rows), MLP rows 42-84.
+    torch.testing.assert_close(qkv[:32], whole_qkv[32:64])
+    torch.testing.assert_close(qkv[32:64], whole_qkv[q : q + kv])
+    torch.testing.assert_close(qkv[64:], whole_qkv[q + kv :])
+    gate_up, whole_gate_up = layer.mlp.gate_up_proj.weight, whole_layer.mlp.gate_up_proj.weight
+    torch.testing.assert_close(gate_up[:43], whole_gate_up[42:85])
+    torch.testing.assert_close(gate_up[43:], whole_gate_up[inter + 42 : inter + 85])
+
+
 @pytest.mark.parametrize(
     ("arch", "overrides", "refused"),
     [

@@ -189,17 +189,23 @@ def _sliced_gguf_tensors(
 def _read_index(tensor_slice: Any, dim: int, index: Sequence[int]) -> torch.Tensor:
     """tensor.index_select(dim, index) of a safetensors slice (or a tensor), reading only
     the runs of consecutive rows or columns it names."""
-    if isinstance(index, range):
-        runs = [(index.start, index.stop)]
-    else:
-        runs = [(index[0], index[0] + 1)]
-        for i in index[1:]:
-            if i == runs[-1][1]:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-    parts = [tensor_slice[(slice(None),) * dim + (slice(start, stop),)] for start, stop in runs]
+    parts = [
+        tensor_slice[(slice(None),) * dim + (slice(start, stop),)] for start, stop in _runs(index)
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _runs(index: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of consecutive indices, in order."""
+    if isinstance(index, range):
+        return [(index.start, index.stop)]
+    runs = [(index[0], index[0] + 1)]
+    for i in index[1:]:
+        if i == runs[-1][1]:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:

@@ -113,11 +113,10 @@ class ModelShard:
         # Column-parallel layers take output rows (dim 0), row-parallel ones input columns.
         if module in FUSED_PARTS:
             rows: list[int] = []
-            starts = dict(self.model_rows)
-            start = 0
+            model_rows, start = dict(self.model_rows), 0
             for part in FUSED_PARTS[module]:
                 rows.extend(start + row for row in self._output_rows(part))
-                start += starts[part]
+                start += model_rows[part]
             return 0, tuple(rows)
         if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
             return 0, self._output_rows(module)
