@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU: N gloo processes, each holding its shard of a tiny
-checkpoint, give the logits and greedy tokens of the whole model in one process."""
+checkpoint (or of the embedded SmolLM2 GGUF), give the logits and greedy tokens of the
+whole model in one process."""
 
 from __future__ import annotations
 
@@ -30,12 +31,26 @@ from tests.tiny_models import write_tiny_gguf, write_tiny_model
 TOLERANCE = 1e-4
 DECODE_STEPS = 6
 
+SIX_HEADS = {"num_attention_heads": 6, "hidden_size": 96}
+S, F = "sliding_attention", "full_attention"
+# Windows shorter than the prompt, soft-capped logits, a tied and an untied head.
+GEMMA3 = {"sliding_window": 8, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}
+
 # name -> (arch, tensor-parallel size, write_tiny_model overrides)
 CASES = {
     "llama-4-heads-2-kv-at-2": ("llama", 2, {}),
     "qwen3-at-2": ("qwen3", 2, {}),  # q/k norm
     # 2 KV heads at 3 ranks: repeated to 6 (2 a rank); vocabulary and MLP split unevenly.
-    "llama-6-heads-2-kv-at-3": ("llama", 3, {"num_attention_heads": 6, "hidden_size": 96}),
+    "llama-6-heads-2-kv-at-3": ("llama", 3, SIX_HEADS),
+    # Fused qkv_proj and gate_up_proj; half of each head rotated (rows reordered per head).
+    "phi3-partial-rotary-at-2": ("phi3", 2, {"partial_rotary_factor": 0.5}),
+    "phi3-6-heads-2-kv-at-3": ("phi3", 3, SIX_HEADS),
+    "gemma3-at-2": ("gemma3_text", 2, GEMMA3 | {"layer_types": [S, F]}),
+    "gemma3-6-heads-2-kv-at-3": (
+        "gemma3_text",
+        3,
+        GEMMA3 | SIX_HEADS | {"layer_types": [F, S], "tie_word_embeddings": True},
+    ),
 }
 
 
@@ -75,20 +90,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_shards_match_one_process(name: str, tmp_path: Path) -> None:
-    arch, size, overrides = CASES[name]
-    directory = write_tiny_model(tmp_path / "model", arch, **overrides)
-    model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+def assert_shards_match_one_process(path: Path, size: int, out: Path) -> None:
+    """`size` ranks of the model at `path` give its logits and greedy tokens in one process."""
+    model, config = load_model(path, torch.float32, "cpu", TorchPagedAttention())
     expected_logits, expected_tokens = generate(model, config)
+    del model
 
-    mp.spawn(run_rank, args=(size, free_port(), directory, tmp_path), nprocs=size)
+    mp.spawn(run_rank, args=(size, free_port(), path, out), nprocs=size)
     for rank in range(size):
-        seen = torch.load(tmp_path / f"rank{rank}.pt")
+        seen = torch.load(out / f"rank{rank}.pt")
         assert seen["kv_heads"] == ModelShard.of(config, TensorParallel(rank, size)).kv_heads
         assert seen["tokens"] == expected_tokens
         for got, expected in zip(seen["logits"], expected_logits, strict=True):
             assert rel_error(got, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_shards_match_one_process(name: str, tmp_path: Path) -> None:
+    arch, size, overrides = CASES[name]
+    directory = write_tiny_model(tmp_path / "model", arch, **overrides)
+    assert_shards_match_one_process(directory, size, tmp_path)
+
+
+def test_gguf_shards_match_one_process(tmp_path: Path) -> None:
+    """Sliced after dequantizing and undoing llama.cpp's q/k row order: 2 KV heads at 3."""
+    directory = write_tiny_model(tmp_path / "hf", "llama", **SIX_HEADS)
+    gguf_path = write_tiny_gguf(directory, tmp_path / "m.gguf")
+    assert_shards_match_one_process(gguf_path, 3, tmp_path)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_shards_match_one_process(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """The embedded default (Q4_1, 9 query heads, 3 KV heads, a tied head) at 3 ranks."""
+    assert_shards_match_one_process(smollm2_gguf, 3, tmp_path)
 
 
 def tiny_config(heads: int, kv_heads: int, vocab_size: int = 400) -> ModelConfig:
@@ -163,6 +197,25 @@ def test_a_rank_reads_only_its_rows(tmp_path: Path) -> None:
     assert embed.shape[0] == -(-config.vocab_size // 3)
 
 
+def test_a_rank_reads_its_rows_of_each_fused_part(tmp_path: Path) -> None:
+    """Phi-3's checkpoint stacks q/k/v in one qkv_proj and gate/up in one gate_up_proj."""
+    directory = write_tiny_model(tmp_path, "phi3", **SIX_HEADS)
+    model, config = load_model(
+        directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(1, 3)
+    )
+    whole, _ = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    layer, whole_layer = model.model.layers[1], whole.model.layers[1]
+    qkv, whole_qkv = layer.self_attn.qkv_proj.weight, whole_layer.self_attn.qkv_proj.weight
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    # Rank 1 of 3: query heads 2-3, KV heads 0 and 1 (each 16 rows), MLP rows 42-84.
+    torch.testing.assert_close(qkv[:32], whole_qkv[32:64])
+    torch.testing.assert_close(qkv[32:64], whole_qkv[q : q + kv])
+    torch.testing.assert_close(qkv[64:], whole_qkv[q + kv :])
+    gate_up, whole_gate_up = layer.mlp.gate_up_proj.weight, whole_layer.mlp.gate_up_proj.weight
+    torch.testing.assert_close(gate_up[:43], whole_gate_up[42:85])
+    torch.testing.assert_close(gate_up[43:], whole_gate_up[inter + 42 : inter + 85])
+
+
 @pytest.mark.parametrize(
     ("arch", "overrides", "refused"),
     [
@@ -171,8 +224,6 @@ def test_a_rank_reads_only_its_rows(tmp_path: Path) -> None:
             {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
             "mixture-of-experts",
         ),
-        ("gemma3_text", {"sliding_window": 16}, "Gemma 3"),
-        ("phi3", {}, "fused"),
     ],
 )
 def test_what_has_no_shard_yet_is_refused(
@@ -181,12 +232,6 @@ def test_what_has_no_shard_yet_is_refused(
     directory = write_tiny_model(tmp_path, arch, **overrides)
     with pytest.raises(ModelLoadError, match=refused):
         load_model(directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(0, 2))
-
-
-def test_gguf_is_refused(tmp_path: Path) -> None:
-    gguf_path = write_tiny_gguf(write_tiny_model(tmp_path / "hf", "llama"), tmp_path / "m.gguf")
-    with pytest.raises(ModelLoadError, match="GGUF"):
-        load_model(gguf_path, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(0, 2))
 
 
 def test_a_ranks_kv_blocks_hold_its_kv_heads_only(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ What differs from Llama, each as transformers' Gemma3ForCausalLM computes it:
   rounded to the embedding dtype; the final logits are soft-capped where the config asks.
 
 Parameter names follow Hugging Face, with llama.py's merged qkv_proj and gate_up_proj.
+Under tensor parallelism the shard is Llama's: the norms are per token or per head, the
+sliding windows per layer, so every rank runs them as they are; the embedding is scaled
+after the ranks' rows are summed, and the logits soft-capped after they are gathered.
 """
 
 from __future__ import annotations
@@ -24,8 +27,16 @@ from engine.errors import ModelLoadError
 from engine.kernels import rotary_and_store_kv
 from engine.model.config import ModelConfig
 from engine.model.gemma3_config import Gemma3Config
-from engine.model.llama import MLP, Attention, LlamaForCausalLM, MlpFactory
+from engine.model.llama import (
+    MLP,
+    Attention,
+    LlamaForCausalLM,
+    MlpFactory,
+    VocabParallelEmbedding,
+)
 from engine.model.rope import RotaryEmbedding
+from engine.parallel.group import SINGLE_PROCESS, TensorParallel
+from engine.parallel.shard import ModelShard
 
 
 class GemmaRMSNorm(nn.Module):
@@ -47,8 +58,9 @@ class Gemma3Attention(Attention):
         layer_index: int,
         backend: AttentionBackend,
         window: int | None,
+        shard: ModelShard,
     ):
-        super().__init__(config, layer_index, backend)
+        super().__init__(config, layer_index, backend, shard)
         self.window = window
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
@@ -83,27 +95,32 @@ class Gemma3Attention(Attention):
             k_scale=self.k_scale,
             v_scale=self.v_scale,
         )
-        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(hidden.shape[0], self.q_size)))
 
 
 class GeGLU(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, backend: AttentionBackend, window: int | None
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        window: int | None,
+        shard: ModelShard,
     ):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.is_sliding = window is not None
         self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.self_attn = Gemma3Attention(config, layer_index, backend, window)
+        self.self_attn = Gemma3Attention(config, layer_index, backend, window, shard)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.mlp = GeGLU(config)
+        self.mlp = GeGLU(config, shard)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(
@@ -121,12 +138,18 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: ModelConfig, gemma: Gemma3Config, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        gemma: Gemma3Config,
+        backend: AttentionBackend,
+        shard: ModelShard,
+    ):
         super().__init__()
         self.embed_scale = config.hidden_size**0.5
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, backend, window)
+            Gemma3DecoderLayer(config, i, backend, window, shard)
             for i, window in enumerate(gemma.layer_windows)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -155,20 +178,25 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        tp: TensorParallel = SINGLE_PROCESS,
+    ):
         assert config.gemma3 is not None, "a Gemma 3 config"
         if not attn_backend.supports_sliding_window:
             raise ModelLoadError(
                 f"Gemma 3 needs sliding-window attention, which "
                 f"{type(attn_backend).__name__} does not support"
             )
-        super().__init__(config, attn_backend)
+        super().__init__(config, attn_backend, tp=tp)
         self.softcap = config.gemma3.final_logit_softcapping
 
     def build_model(
         self, config: ModelConfig, attn_backend: AttentionBackend, make_mlp: MlpFactory
     ) -> nn.Module:
-        return Gemma3Model(config, config.gemma3, attn_backend)
+        return Gemma3Model(config, config.gemma3, attn_backend, self.shard)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Llama's logits, soft-capped where the config asks."""

@@ -12,8 +12,8 @@ dequantized to the target dtype as it arrives, once its scale has come too.
 
 Under tensor parallelism (tp.size > 1) the model is this rank's shard
 (engine/parallel/shard.py) and each safetensors tensor is read as the rows or columns the
-rank holds, the pieces of the merged q/k/v and gate/up too; what no shard is defined for
-yet (GGUF, fp8, mixture of experts, Gemma 3, Phi-3's fused projections) is refused.
+rank holds, the pieces of the merged q/k/v and gate/up too; a GGUF tensor is dequantized
+whole, then sliced. What no shard is defined for yet (fp8, mixture of experts) is refused.
 
 With random_weights no checkpoint tensor is read: every parameter is drawn on the device
 as transformers initialises a model (matrices normal with std 0.02, biases 0, norm
@@ -85,29 +85,27 @@ def load_model(
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_file():
-        if tp.size > 1:
-            raise ModelLoadError("tensor parallelism does not shard GGUF files yet")
         if path.suffix != ".gguf":
             raise ModelLoadError(f"expected a model directory or a .gguf file, got {path}")
         reader = open_gguf(path)
         config = gguf_model_config(reader)
-        named = ((name, t, path.name) for name, t in gguf_tensors(reader, config))
+        named = _sliced_gguf_tensors(gguf_tensors(reader, config), ModelShard.of(config, tp), path)
         num_tensors = len(reader.tensors)
         fp8_names: set[str] = set()
     else:
         config = read_hf_config(path)
-        if tp.size > 1:
-            _refuse_unsharded(config, quantization)
         files = [] if random_weights else safetensors_files(path)
         num_tensors = sum(len(_safetensors_keys(f)) for f in files)
         named = _read_safetensors(files, ModelShard.of(config, tp))
         fp8_names = _fp8_tensor_names(files) if config.fp8 is not None else set()
+    if tp.size > 1:
+        _refuse_unsharded(config, quantization)
 
     if config.moe is not None and fp8_linear_runs(device):
         _refuse_fp8_experts(config, quantization)
     with torch.device("meta"):
         if config.gemma3 is not None:
-            model = Gemma3ForCausalLM(config, attn_backend)
+            model = Gemma3ForCausalLM(config, attn_backend, tp)
         else:
             model = LlamaForCausalLM(config, attn_backend, layer_mlp, tp)
     if fp8_linear_runs(device):
@@ -123,8 +121,8 @@ def load_model(
             {n: w.view(torch.uint8) if w.dtype == FP8 else w for n, w in weights.items()},
             config.head_dim,
             config.rotary_dim,
-            config.num_heads,
-            config.num_kv_heads,
+            model.shard.num_heads,
+            model.shard.num_kv_heads,
         )
     model.load_state_dict(weights, assign=True, strict=True)
     model.to(device)  # moves the rope cache, built on the CPU; weights are already there
@@ -178,14 +176,36 @@ def _read_safetensors(
             raise ModelLoadError(f"cannot read {file}: {e}") from e
 
 
+def _sliced_gguf_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], shard: ModelShard, path: Path
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Each dequantized GGUF tensor (q and k already in Hugging Face's row order), or the
+    part of it the shard holds."""
+    for name, tensor in tensors:
+        index = shard.checkpoint_index(name)
+        yield name, tensor if index is None else _read_index(tensor, *index), path.name
+
+
 def _read_index(tensor_slice: Any, dim: int, index: Sequence[int]) -> torch.Tensor:
-    """tensor.index_select(dim, index) of a safetensors slice, reading only the span of
-    rows or columns it covers."""
+    """tensor.index_select(dim, index) of a safetensors slice (or a tensor), reading only
+    the runs of consecutive rows or columns it names."""
+    parts = [
+        tensor_slice[(slice(None),) * dim + (slice(start, stop),)] for start, stop in _runs(index)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _runs(index: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of consecutive indices, in order."""
     if isinstance(index, range):
-        return tensor_slice[(slice(None),) * dim + (slice(index.start, index.stop),)]
-    start, stop = min(index), max(index) + 1
-    span = tensor_slice[(slice(None),) * dim + (slice(start, stop),)]
-    return span.index_select(dim, torch.tensor(index) - start)
+        return [(index.start, index.stop)]
+    runs = [(index[0], index[0] + 1)]
+    for i in index[1:]:
+        if i == runs[-1][1]:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:
@@ -196,10 +216,6 @@ def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:
         )
     if config.moe is not None:
         what = f"mixture-of-experts models ({config.architecture})"
-    elif config.gemma3 is not None:
-        what = "Gemma 3"
-    elif config.architecture in FUSED_CHECKPOINTS:
-        what = f"{config.architecture}'s fused q/k/v and gate/up checkpoints"
     elif config.fp8 is not None:
         what = "fp8 checkpoints"
     else:

@@ -4,9 +4,10 @@ The network is Llama's (RMSNorm, rotate-half rope, SiLU-gated MLP, no biases), e
 Phi-4-mini rotates only the first partial_rotary_factor of each head: the loader reorders
 q and k rows so our whole-head rotation does that (engine/model/rope.py's rotary_order).
 The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, in the
-order our merged parameters use ([q; k; v], [gate; up]), so they load whole. The config
-keeps original_max_position_embeddings at its top level for longrope, and transformers
-reads the older rope types "su" and "yarn" of Phi-3 checkpoints as longrope.
+order our merged parameters use ([q; k; v], [gate; up]), so they load whole (a
+tensor-parallel rank reads each part's rows of its shard, engine/parallel/shard.py). The
+config keeps original_max_position_embeddings at its top level for longrope, and
+transformers reads the older rope types "su" and "yarn" of Phi-3 checkpoints as longrope.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Megatron's split: q/k/v and gate/up by output rows (column-parallel), o_proj and down_proj
 by input columns (row-parallel, their partial outputs summed by an all-reduce), the
 embedding and the LM head by vocabulary rows. Norms are held whole by every rank. At size
-1 the shard is the whole model.
+1 the shard is the whole model. A checkpoint that fuses projections (Phi-3's qkv_proj and
+gate_up_proj) is read as each part's rows of the shard, in the parts' order.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from engine.parallel.group import SINGLE_PROCESS, TensorParallel
 if TYPE_CHECKING:  # engine.model imports this module
     from engine.model.config import ModelConfig
 
+# A fused checkpoint tensor -> the projections whose rows it stacks, in order.
+FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
 
 @dataclass(frozen=True)
 class ModelShard:
@@ -29,6 +36,8 @@ class ModelShard:
     intermediate: range  # rows of gate_proj and up_proj, columns of down_proj
     vocab: range  # rows of the embedding and LM head read from the checkpoint
     vocab_rows: int  # their rows here: ceil(vocab / size) on every rank, the tail zero
+    # The whole model's rows of each column-parallel projection: where a fused part starts.
+    model_rows: tuple[tuple[str, int], ...]
 
     @classmethod
     def whole(cls, config: ModelConfig) -> ModelShard:
@@ -65,6 +74,13 @@ class ModelShard:
             ),
             vocab=range(first_row, min(first_row + vocab_rows, config.vocab_size)),
             vocab_rows=vocab_rows,
+            model_rows=(
+                ("q_proj", heads * config.head_dim),
+                ("k_proj", kv_heads * config.head_dim),
+                ("v_proj", kv_heads * config.head_dim),
+                ("gate_proj", config.intermediate_size),
+                ("up_proj", config.intermediate_size),
+            ),
         )
 
     @property
@@ -89,27 +105,39 @@ class ModelShard:
 
     def checkpoint_index(self, name: str) -> tuple[int, Sequence[int]] | None:
         """(dim, indices along it) of the checkpoint tensor `name` that this rank holds,
-        in order; None for all of it. The indices are a range except for repeated KV heads."""
+        in order; None for all of it. The indices are a range except for repeated KV heads
+        and fused projections."""
         if self.tp.size == 1:
             return None
         module = name.rpartition(".")[0].rpartition(".")[2]
         # Column-parallel layers take output rows (dim 0), row-parallel ones input columns.
-        if module == "q_proj":
-            return 0, self._head_rows(self.heads)
-        if module in ("k_proj", "v_proj"):
-            first, last = self.kv_heads[0], self.kv_heads[-1]
-            if len(self.kv_heads) == last + 1 - first:  # no repeats
-                return 0, self._head_rows(range(first, last + 1))
-            return 0, tuple(row for h in self.kv_heads for row in self._head_rows(range(h, h + 1)))
+        if module in FUSED_PARTS:
+            rows: list[int] = []
+            model_rows, start = dict(self.model_rows), 0
+            for part in FUSED_PARTS[module]:
+                rows.extend(start + row for row in self._output_rows(part))
+                start += model_rows[part]
+            return 0, tuple(rows)
+        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            return 0, self._output_rows(module)
         if module == "o_proj":
             return 1, self._head_rows(self.heads)
-        if module in ("gate_proj", "up_proj"):
-            return 0, self.intermediate
         if module == "down_proj":
             return 1, self.intermediate
         if module in ("embed_tokens", "lm_head"):
             return 0, self.vocab
         return None  # norms
+
+    def _output_rows(self, module: str) -> Sequence[int]:
+        """The rows of a column-parallel projection held here."""
+        if module == "q_proj":
+            return self._head_rows(self.heads)
+        if module in ("k_proj", "v_proj"):
+            first, last = self.kv_heads[0], self.kv_heads[-1]
+            if len(self.kv_heads) == last + 1 - first:  # no repeats
+                return self._head_rows(range(first, last + 1))
+            return tuple(row for h in self.kv_heads for row in self._head_rows(range(h, h + 1)))
+        return self.intermediate  # gate_proj, up_proj
 
     def _head_rows(self, heads: range) -> range:
         return range(heads.start * self.head_dim, heads.stop * self.head_dim)
