@@ -36,6 +36,35 @@ CASES = {
     "qwen3-at-2": ("qwen3", 2, {}),  # q/k norm
     # 2 KV heads at 3 ranks: repeated to 6 (2 a rank); vocabulary and MLP split unevenly.
     "llama-6-heads-2-kv-at-3": ("llama", 3, {"num_attention_heads": 6, "hidden_size": 96}),
+    # Experts of 32 rows (the dense layer 1 has 128), top-3 of 8 not renormalised.
+    "qwen3-moe-at-2": (
+        "qwen3_moe",
+        2,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # Every second layer sparse; experts of 32 rows split 10, 11, 11, the dense MLP's 128
+    # 42, 43, 43.
+    "qwen3-moe-step2-at-3": (
+        "qwen3_moe",
+        3,
+        {
+            "num_attention_heads": 6,
+            "hidden_size": 96,
+            "num_hidden_layers": 4,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    "mixtral-at-2": ("mixtral", 2, {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -163,14 +192,37 @@ def test_a_rank_reads_only_its_rows(tmp_path: Path) -> None:
     assert embed.shape[0] == -(-config.vocab_size // 3)
 
 
+def test_a_rank_holds_every_expert_with_its_share_of_their_rows(tmp_path: Path) -> None:
+    """Each expert's gate and up rows and down columns of the MoE's own intermediate size,
+    the dense layer's of the dense size, the router whole."""
+    directory = write_tiny_model(
+        tmp_path,
+        "qwen3_moe",
+        num_attention_heads=6,
+        hidden_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+    )
+    model, _ = load_model(
+        directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(2, 3)
+    )
+    whole, _ = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    sparse, whole_sparse = model.model.layers[0].mlp, whole.model.layers[0].mlp
+    torch.testing.assert_close(sparse.gate.weight, whole_sparse.gate.weight)
+    gate_up, whole_gate_up = sparse.experts.gate_up_proj, whole_sparse.experts.gate_up_proj
+    assert gate_up.shape == (4, 2 * 11, 96)  # rank 2 of 3: rows 21-31 of 32
+    torch.testing.assert_close(gate_up[:, :11], whole_gate_up[:, 21:32])
+    torch.testing.assert_close(gate_up[:, 11:], whole_gate_up[:, 53:64])
+    torch.testing.assert_close(sparse.experts.down_proj, whole_sparse.experts.down_proj[..., 21:])
+    dense, whole_dense = model.model.layers[1].mlp, whole.model.layers[1].mlp
+    torch.testing.assert_close(dense.down_proj.weight, whole_dense.down_proj.weight[:, 85:])
+
+
 @pytest.mark.parametrize(
     ("arch", "overrides", "refused"),
     [
-        (
-            "qwen3_moe",
-            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-            "mixture-of-experts",
-        ),
         ("gemma3_text", {"sliding_window": 16}, "Gemma 3"),
         ("phi3", {}, "fused"),
     ],

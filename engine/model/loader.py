@@ -194,9 +194,7 @@ def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:
         raise ValidationError(
             "quantization", f"{quantization} is not supported with tensor parallelism yet"
         )
-    if config.moe is not None:
-        what = f"mixture-of-experts models ({config.architecture})"
-    elif config.gemma3 is not None:
+    if config.gemma3 is not None:
         what = "Gemma 3"
     elif config.architecture in FUSED_CHECKPOINTS:
         what = f"{config.architecture}'s fused q/k/v and gate/up checkpoints"
@@ -416,7 +414,7 @@ def checkpoint_pieces(
     pieces: dict[str, tuple[str, Rows]] = {}
     for param in param_shapes:
         module = param.split(".")[-2]
-        if (moe := moe_checkpoint_pieces(param, config)) is not None:
+        if (moe := moe_checkpoint_pieces(param, config, shard)) is not None:
             pieces.update(moe)  # stacked experts and the router
         elif module in merged:
             for part, start, rows in merged[module]:
