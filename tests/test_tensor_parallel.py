@@ -13,12 +13,14 @@ import torch.multiprocessing as mp
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.errors import ModelLoadError
+from engine.kv.fp8 import FP8_DTYPE, set_kv_scales
 from engine.kv.pool import kv_bytes_per_block
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import ModelShard
+from tests.test_fp8_weights import write_fp8
 from tests.test_model_parity import (  # noqa: F401 (one_intra_op_thread: autouse)
     PagedRunner,
     one_intra_op_thread,
@@ -68,10 +70,16 @@ CASES = {
 }
 
 
-def generate(model: LlamaForCausalLM, config: ModelConfig) -> tuple[torch.Tensor, list[int]]:
+def generate(
+    model: LlamaForCausalLM, config: ModelConfig, kv_scale: float | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """float32 last-position logits of a prompt's prefill and of each greedy decode step
-    after it, and the greedy tokens."""
+    after it, and the greedy tokens; with a kv_scale, over an fp8 KV pool of K and V
+    scales kv_scale and 2 * kv_scale in every layer."""
     runner = PagedRunner(model, config)
+    if kv_scale is not None:
+        runner.kv_caches = [cache.to(FP8_DTYPE) for cache in runner.kv_caches]
+        set_kv_scales(model, [(kv_scale, 2 * kv_scale)] * config.num_layers)
     rows = [runner.step([(0, prompt_ids(config.vocab_size, 21, seed=5))])[0][-1]]
     tokens: list[int] = []
     for _ in range(DECODE_STEPS):
@@ -80,7 +88,9 @@ def generate(model: LlamaForCausalLM, config: ModelConfig) -> tuple[torch.Tensor
     return torch.stack(rows).float(), tokens
 
 
-def run_rank(rank: int, size: int, port: int, directory: Path, out: Path) -> None:
+def run_rank(
+    rank: int, size: int, port: int, directory: Path, out: Path, kv_scale: float | None
+) -> None:
     """One rank: its shard loaded and run; what it saw saved as rank{rank}.pt."""
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -89,7 +99,7 @@ def run_rank(rank: int, size: int, port: int, directory: Path, out: Path) -> Non
     try:
         tp = TensorParallel.of_default_group()
         model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention(), tp=tp)
-        logits, tokens = generate(model, config)
+        logits, tokens = generate(model, config, kv_scale)
         torch.save(
             {"logits": logits, "tokens": tokens, "kv_heads": model.shard.kv_heads},
             out / f"rank{rank}.pt",
@@ -107,11 +117,46 @@ def free_port() -> int:
 @pytest.mark.parametrize("name", list(CASES))
 def test_shards_match_one_process(name: str, tmp_path: Path) -> None:
     arch, size, overrides = CASES[name]
-    directory = write_tiny_model(tmp_path / "model", arch, **overrides)
-    model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
-    expected_logits, expected_tokens = generate(model, config)
+    assert_shards_match(write_tiny_model(tmp_path / "model", arch, **overrides), size, tmp_path)
 
-    mp.spawn(run_rank, args=(size, free_port(), directory, tmp_path), nprocs=size)
+
+@pytest.mark.parametrize(
+    ("scheme", "block", "size", "overrides"),
+    [
+        ("channel", None, 2, {}),
+        # 2 KV heads repeated to 6: each rank's two KV heads are whole blocks of 16 rows.
+        (
+            "block",
+            (16, 16),
+            3,
+            {"num_attention_heads": 6, "hidden_size": 96, "intermediate_size": 96},
+        ),
+    ],
+)
+def test_fp8_checkpoint_shards_match_one_process(
+    scheme: str, block: tuple[int, int] | None, size: int, overrides: dict, tmp_path: Path
+) -> None:
+    """On the CPU fp8 weights are dequantized as they load: each rank's with its part of
+    the scales."""
+    source = write_tiny_model(tmp_path / "model", "qwen2", **overrides)
+    fp8_dir, _ = write_fp8(source, tmp_path, scheme, *([block] if block else []))
+    assert_shards_match(fp8_dir, size, tmp_path)
+
+
+def test_shards_match_one_process_over_an_fp8_kv_pool(tmp_path: Path) -> None:
+    """Each layer's one K and one V scale hold for whichever KV heads a rank keeps."""
+    directory = write_tiny_model(tmp_path / "model", "llama")
+    assert_shards_match(directory, 2, tmp_path, kv_scale=0.02)
+
+
+def assert_shards_match(
+    directory: Path, size: int, tmp_path: Path, kv_scale: float | None = None
+) -> None:
+    """size ranks give the greedy tokens of one process, and its logits within TOLERANCE."""
+    model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    expected_logits, expected_tokens = generate(model, config, kv_scale)
+
+    mp.spawn(run_rank, args=(size, free_port(), directory, tmp_path, kv_scale), nprocs=size)
     for rank in range(size):
         seen = torch.load(tmp_path / f"rank{rank}.pt")
         assert seen["kv_heads"] == ModelShard.of(config, TensorParallel(rank, size)).kv_heads

@@ -12,8 +12,9 @@ dequantized to the target dtype as it arrives, once its scale has come too.
 
 Under tensor parallelism (tp.size > 1) the model is this rank's shard
 (engine/parallel/shard.py) and each safetensors tensor is read as the rows or columns the
-rank holds, the pieces of the merged q/k/v and gate/up too; what no shard is defined for
-yet (GGUF, fp8, mixture of experts, Gemma 3, Phi-3's fused projections) is refused.
+rank holds, the pieces of the merged q/k/v and gate/up and each expert's too, an fp8
+weight's scale as the part that goes with them (Fp8Checkpoint.scale_index); what no shard
+is defined for yet (GGUF, Gemma 3, Phi-3's fused projections) is refused.
 
 With random_weights no checkpoint tensor is read: every parameter is drawn on the device
 as transformers initialises a model (matrices normal with std 0.02, biases 0, norm
@@ -97,10 +98,10 @@ def load_model(
     else:
         config = read_hf_config(path)
         if tp.size > 1:
-            _refuse_unsharded(config, quantization)
+            _refuse_unsharded(config)
         files = [] if random_weights else safetensors_files(path)
         num_tensors = sum(len(_safetensors_keys(f)) for f in files)
-        named = _read_safetensors(files, ModelShard.of(config, tp))
+        named = _read_safetensors(files, ModelShard.of(config, tp), config.fp8)
         fp8_names = _fp8_tensor_names(files) if config.fp8 is not None else set()
 
     if config.moe is not None and fp8_linear_runs(device):
@@ -162,20 +163,54 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def _read_safetensors(
-    files: list[Path], shard: ModelShard
+    files: list[Path], shard: ModelShard, fp8: Fp8Checkpoint | None
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Each tensor, or the part of it the shard holds."""
+    # A scale's part depends on its weight's shape, which may be in another file.
+    shapes = _tensor_shapes(files) if fp8 is not None and shard.tp.size > 1 else {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     index = shard.checkpoint_index(name)
+                    if index is not None and fp8 is not None:
+                        index = _scale_index(name, index, fp8, shapes)
                     if index is None:
                         yield name, f.get_tensor(name), file.name
                     else:
                         yield name, _read_index(f.get_slice(name), *index), file.name
         except SafetensorError as e:
             raise ModelLoadError(f"cannot read {file}: {e}") from e
+
+
+def _scale_index(
+    name: str,
+    index: tuple[int, Sequence[int]],
+    fp8: Fp8Checkpoint,
+    shapes: dict[str, list[int]],
+) -> tuple[int, Sequence[int]] | None:
+    """The part of checkpoint tensor `name` to read, `index` being what the shard holds of
+    the projection it belongs to: an fp8 scale's part goes with that of its weight."""
+    if name.endswith(INPUT_SCALES):
+        return None  # one value
+    if not name.endswith(WEIGHT_SCALES):
+        return index
+    weight = name.rpartition(".")[0] + ".weight"
+    if weight not in shapes:
+        return None  # _load_weights names the weight that is missing
+    return fp8.scale_index(weight, shapes[weight], shapes[name], index)
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Every tensor's shape, read off the files' headers."""
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes.update((name, f.get_slice(name).get_shape()) for name in f.keys())
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+    return shapes
 
 
 def _read_index(tensor_slice: Any, dim: int, index: Sequence[int]) -> torch.Tensor:
@@ -188,18 +223,12 @@ def _read_index(tensor_slice: Any, dim: int, index: Sequence[int]) -> torch.Tens
     return span.index_select(dim, torch.tensor(index) - start)
 
 
-def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:
+def _refuse_unsharded(config: ModelConfig) -> None:
     """What tensor parallelism has no shard for yet, refused before anything loads."""
-    if quantization is not None:
-        raise ValidationError(
-            "quantization", f"{quantization} is not supported with tensor parallelism yet"
-        )
     if config.gemma3 is not None:
         what = "Gemma 3"
     elif config.architecture in FUSED_CHECKPOINTS:
         what = f"{config.architecture}'s fused q/k/v and gate/up checkpoints"
-    elif config.fp8 is not None:
-        what = "fp8 checkpoints"
     else:
         return
     raise ModelLoadError(f"tensor parallelism does not shard {what} yet")
