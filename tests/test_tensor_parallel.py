@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.errors import ModelLoadError
+from engine.kernels.fp8_linear import FP8, quantize_rows
 from engine.kv.fp8 import FP8_DTYPE, set_kv_scales
 from engine.kv.pool import kv_bytes_per_block
 from engine.model.config import ModelConfig
@@ -20,7 +21,12 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import ModelShard
-from tests.test_fp8_weights import write_fp8
+from tests.test_fp8_weights import (  # noqa: F401 (fp8_runs: a fixture)
+    SCHEMES,
+    fp8_runs,
+    load,
+    write_fp8,
+)
 from tests.test_model_parity import (  # noqa: F401 (one_intra_op_thread: autouse)
     PagedRunner,
     one_intra_op_thread,
@@ -284,6 +290,123 @@ def test_gguf_is_refused(tmp_path: Path) -> None:
     gguf_path = write_tiny_gguf(write_tiny_model(tmp_path / "hf", "llama"), tmp_path / "m.gguf")
     with pytest.raises(ModelLoadError, match="GGUF"):
         load_model(gguf_path, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(0, 2))
+
+
+# A layer's projections, and the checkpoint projections merged into each, in order.
+MERGED = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def rank_part(
+    whole: torch.Tensor, projection: str, config: ModelConfig, shard: ModelShard
+) -> torch.Tensor:
+    """What `shard` holds of a one-process projection's weight or row scales: each merged
+    part's rows of a column-parallel one; a row-parallel one's columns, its row scales whole."""
+    if projection in ROW_PARALLEL:
+        _, columns = shard.checkpoint_index(f"{projection}.weight")
+        return whole if whole.dim() == 1 else whole[:, list(columns)]
+    sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size}
+    parts = MERGED[projection]
+    pieces = whole.split([sizes.get(part, config.intermediate_size) for part in parts])
+    module = projection.rpartition(".")[0]
+    return torch.cat(
+        [
+            piece[list(shard.checkpoint_index(f"{module}.{part}.weight")[1])]
+            for piece, part in zip(pieces, parts, strict=True)
+        ]
+    )
+
+
+def as_bytes(weight: torch.Tensor) -> torch.Tensor:
+    """fp8 weights as their bytes: what indexing and torch.equal take."""
+    return weight.view(torch.uint8) if weight.dtype == FP8 else weight
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_ranks_dequantized_fp8_projections_are_its_part_of_one_process(
+    scheme: str, tmp_path: Path
+) -> None:
+    source = write_tiny_model(tmp_path / "model", "qwen2")
+    fp8_dir, _ = write_fp8(source, tmp_path, scheme, (16, 32))
+    whole = load(fp8_dir)
+    for rank in range(2):
+        model = load(fp8_dir, tp=TensorParallel(rank, 2))
+        for projection in MERGED:
+            name = f"model.layers.1.{projection}"
+            expected = rank_part(
+                whole.get_submodule(name).weight, projection, whole.config, model.shard
+            )
+            assert torch.equal(model.get_submodule(name).weight, expected), (rank, name)
+
+
+@pytest.mark.usefixtures("fp8_runs")
+@pytest.mark.parametrize("scheme", [*SCHEMES, "quantized on load"])
+def test_a_ranks_fp8_projections_are_its_part_of_one_process(scheme: str, tmp_path: Path) -> None:
+    """Fp8Linear's fp8 rows and row scales (built on the CPU here as where fp8 runs). A
+    rank's rows requantized from a block checkpoint or its own weight have the scales of
+    its own columns: a row-parallel rank's row scales are those of its columns alone."""
+    source = write_tiny_model(tmp_path / "model", "qwen2")
+    if scheme == "quantized on load":
+        directory, plain_dir, options = source, source, {"quantization": "fp8"}
+    else:
+        directory, plain_dir = write_fp8(source, tmp_path, scheme, (16, 32))
+        options = {}
+    whole, plain = load(directory, **options), load(plain_dir)
+    requantized = scheme in ("block", "quantized on load")
+    for rank in range(2):
+        model = load(directory, tp=TensorParallel(rank, 2), **options)
+        for projection in MERGED:
+            name = f"model.layers.1.{projection}"
+            if requantized and projection in ROW_PARALLEL:
+                columns = rank_part(
+                    plain.get_submodule(name).weight, projection, whole.config, model.shard
+                )
+                weight, scale = quantize_rows(columns)
+            else:
+                expected = whole.get_submodule(name)
+                weight, scale = (
+                    rank_part(as_bytes(t), projection, whole.config, model.shard)
+                    for t in (expected.weight, expected.weight_scale)
+                )
+            got = model.get_submodule(name)
+            assert torch.equal(as_bytes(got.weight), as_bytes(weight)), (rank, name)
+            assert torch.equal(got.weight_scale, scale.view(-1)), (rank, name)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_an_fp8_mixture_of_experts_shard_is_that_of_its_dequantized_weights(
+    scheme: str, tmp_path: Path
+) -> None:
+    """Each expert's scales split with its rows (gate, up) and columns (down) of 16."""
+    source = write_tiny_model(
+        tmp_path / "model", "qwen3_moe", moe_intermediate_size=32, mlp_only_layers=[1]
+    )
+    fp8_dir, plain_dir = write_fp8(source, tmp_path, scheme, (16, 16))
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        got, want = load(fp8_dir, tp=tp).state_dict(), load(plain_dir, tp=tp).state_dict()
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (rank, name)
+
+
+def test_fp8_blocks_a_rank_would_share_are_refused(tmp_path: Path) -> None:
+    """Blocks of 48 rows: gate_proj's 128 rows split at 64 leave block 1 on both ranks."""
+    source = write_tiny_model(tmp_path / "model", "qwen2")
+    fp8_dir, _ = write_fp8(source, tmp_path, "block", (48, 32))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"fp8 tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' \[128, 64\]: a "
+        r"tensor-parallel shard holds rows 0\.\.63 of its 128, not whole blocks of "
+        r"weight_block_size \[48, 32\]; choose a tensor_parallel_size that splits its 128 "
+        r"rows on multiples of 48",
+    ):
+        load(fp8_dir, tp=TensorParallel(0, 2))
 
 
 def test_a_ranks_kv_blocks_hold_its_kv_heads_only(tmp_path: Path) -> None:
