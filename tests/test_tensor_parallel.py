@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.errors import ModelLoadError
 from engine.kernels.fp8_linear import FP8, quantize_rows
-from engine.kv.fp8 import FP8_DTYPE, set_kv_scales
+from engine.kv.fp8 import set_kv_scales
 from engine.kv.pool import kv_bytes_per_block
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -84,7 +84,7 @@ def generate(
     scales kv_scale and 2 * kv_scale in every layer."""
     runner = PagedRunner(model, config)
     if kv_scale is not None:
-        runner.kv_caches = [cache.to(FP8_DTYPE) for cache in runner.kv_caches]
+        runner.kv_caches = [cache.to(FP8) for cache in runner.kv_caches]
         set_kv_scales(model, [(kv_scale, 2 * kv_scale)] * config.num_layers)
     rows = [runner.step([(0, prompt_ids(config.vocab_size, 21, seed=5))])[0][-1]]
     tokens: list[int] = []
