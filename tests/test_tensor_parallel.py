@@ -14,12 +14,20 @@ import torch.multiprocessing as mp
 
 from engine.attention.torch_backend import TorchPagedAttention
 from engine.errors import ModelLoadError
+from engine.kernels.fp8_linear import FP8, quantize_rows
+from engine.kv.fp8 import set_kv_scales
 from engine.kv.pool import kv_bytes_per_block
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import ModelShard
+from tests.test_fp8_weights import (  # noqa: F401 (fp8_runs: a fixture)
+    SCHEMES,
+    fp8_runs,
+    load,
+    write_fp8,
+)
 from tests.test_model_parity import (  # noqa: F401 (one_intra_op_thread: autouse)
     PagedRunner,
     one_intra_op_thread,
@@ -51,13 +59,48 @@ CASES = {
         3,
         GEMMA3 | SIX_HEADS | {"layer_types": [F, S], "tie_word_embeddings": True},
     ),
+    # Experts of 32 rows (the dense layer 1 has 128), top-3 of 8 not renormalised.
+    "qwen3-moe-at-2": (
+        "qwen3_moe",
+        2,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # Every second layer sparse; experts of 32 rows split 10, 11, 11, the dense MLP's 128
+    # 42, 43, 43.
+    "qwen3-moe-step2-at-3": (
+        "qwen3_moe",
+        3,
+        {
+            "num_attention_heads": 6,
+            "hidden_size": 96,
+            "num_hidden_layers": 4,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    "mixtral-at-2": ("mixtral", 2, {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
-def generate(model: LlamaForCausalLM, config: ModelConfig) -> tuple[torch.Tensor, list[int]]:
+def generate(
+    model: LlamaForCausalLM, config: ModelConfig, kv_scale: float | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """float32 last-position logits of a prompt's prefill and of each greedy decode step
-    after it, and the greedy tokens."""
+    after it, and the greedy tokens; with a kv_scale, over an fp8 KV pool of K and V
+    scales kv_scale and 2 * kv_scale in every layer."""
     runner = PagedRunner(model, config)
+    if kv_scale is not None:
+        runner.kv_caches = [cache.to(FP8) for cache in runner.kv_caches]
+        set_kv_scales(model, [(kv_scale, 2 * kv_scale)] * config.num_layers)
     rows = [runner.step([(0, prompt_ids(config.vocab_size, 21, seed=5))])[0][-1]]
     tokens: list[int] = []
     for _ in range(DECODE_STEPS):
@@ -66,7 +109,9 @@ def generate(model: LlamaForCausalLM, config: ModelConfig) -> tuple[torch.Tensor
     return torch.stack(rows).float(), tokens
 
 
-def run_rank(rank: int, size: int, port: int, directory: Path, out: Path) -> None:
+def run_rank(
+    rank: int, size: int, port: int, directory: Path, out: Path, kv_scale: float | None
+) -> None:
     """One rank: its shard loaded and run; what it saw saved as rank{rank}.pt."""
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -75,7 +120,7 @@ def run_rank(rank: int, size: int, port: int, directory: Path, out: Path) -> Non
     try:
         tp = TensorParallel.of_default_group()
         model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention(), tp=tp)
-        logits, tokens = generate(model, config)
+        logits, tokens = generate(model, config, kv_scale)
         torch.save(
             {"logits": logits, "tokens": tokens, "kv_heads": model.shard.kv_heads},
             out / f"rank{rank}.pt",
@@ -90,13 +135,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_shards_match_one_process(path: Path, size: int, out: Path) -> None:
-    """`size` ranks of the model at `path` give its logits and greedy tokens in one process."""
+def assert_shards_match_one_process(
+    path: Path, size: int, out: Path, kv_scale: float | None = None
+) -> None:
+    """`size` ranks of the model at `path` give its greedy tokens in one process, and its
+    logits within TOLERANCE."""
     model, config = load_model(path, torch.float32, "cpu", TorchPagedAttention())
-    expected_logits, expected_tokens = generate(model, config)
+    expected_logits, expected_tokens = generate(model, config, kv_scale)
     del model
 
-    mp.spawn(run_rank, args=(size, free_port(), path, out), nprocs=size)
+    mp.spawn(run_rank, args=(size, free_port(), path, out, kv_scale), nprocs=size)
     for rank in range(size):
         seen = torch.load(out / f"rank{rank}.pt")
         assert seen["kv_heads"] == ModelShard.of(config, TensorParallel(rank, size)).kv_heads
@@ -123,6 +171,30 @@ def test_gguf_shards_match_one_process(tmp_path: Path) -> None:
 def test_smollm2_gguf_shards_match_one_process(smollm2_gguf: Path, tmp_path: Path) -> None:
     """The embedded default (Q4_1, 9 query heads, 3 KV heads, a tied head) at 3 ranks."""
     assert_shards_match_one_process(smollm2_gguf, 3, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "block", "size", "overrides"),
+    [
+        ("channel", None, 2, {}),
+        # 2 KV heads repeated to 6: each rank's two KV heads are whole blocks of 16 rows.
+        ("block", (16, 16), 3, SIX_HEADS | {"intermediate_size": 96}),
+    ],
+)
+def test_fp8_checkpoint_shards_match_one_process(
+    scheme: str, block: tuple[int, int] | None, size: int, overrides: dict, tmp_path: Path
+) -> None:
+    """On the CPU fp8 weights are dequantized as they load: each rank's with its part of
+    the scales."""
+    source = write_tiny_model(tmp_path / "model", "qwen2", **overrides)
+    fp8_dir, _ = write_fp8(source, tmp_path, scheme, *([block] if block else []))
+    assert_shards_match_one_process(fp8_dir, size, tmp_path)
+
+
+def test_shards_match_one_process_over_an_fp8_kv_pool(tmp_path: Path) -> None:
+    """Each layer's one K and one V scale hold for whichever KV heads a rank keeps."""
+    directory = write_tiny_model(tmp_path / "model", "llama")
+    assert_shards_match_one_process(directory, 2, tmp_path, kv_scale=0.02)
 
 
 def tiny_config(heads: int, kv_heads: int, vocab_size: int = 400) -> ModelConfig:
@@ -216,22 +288,149 @@ def test_a_rank_reads_its_rows_of_each_fused_part(tmp_path: Path) -> None:
     torch.testing.assert_close(gate_up[43:], whole_gate_up[inter + 42 : inter + 85])
 
 
-@pytest.mark.parametrize(
-    ("arch", "overrides", "refused"),
-    [
-        (
-            "qwen3_moe",
-            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-            "mixture-of-experts",
-        ),
-    ],
-)
-def test_what_has_no_shard_yet_is_refused(
-    arch: str, overrides: dict, refused: str, tmp_path: Path
+def test_a_rank_holds_every_expert_with_its_share_of_their_rows(tmp_path: Path) -> None:
+    """Each expert's gate and up rows and down columns of the MoE's own intermediate size,
+    the dense layer's of the dense size, the router whole."""
+    directory = write_tiny_model(
+        tmp_path,
+        "qwen3_moe",
+        num_attention_heads=6,
+        hidden_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+    )
+    model, _ = load_model(
+        directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(2, 3)
+    )
+    whole, _ = load_model(directory, torch.float32, "cpu", TorchPagedAttention())
+    sparse, whole_sparse = model.model.layers[0].mlp, whole.model.layers[0].mlp
+    torch.testing.assert_close(sparse.gate.weight, whole_sparse.gate.weight)
+    gate_up, whole_gate_up = sparse.experts.gate_up_proj, whole_sparse.experts.gate_up_proj
+    assert gate_up.shape == (4, 2 * 11, 96)  # rank 2 of 3: rows 21-31 of 32
+    torch.testing.assert_close(gate_up[:, :11], whole_gate_up[:, 21:32])
+    torch.testing.assert_close(gate_up[:, 11:], whole_gate_up[:, 53:64])
+    torch.testing.assert_close(sparse.experts.down_proj, whole_sparse.experts.down_proj[..., 21:])
+    dense, whole_dense = model.model.layers[1].mlp, whole.model.layers[1].mlp
+    torch.testing.assert_close(dense.down_proj.weight, whole_dense.down_proj.weight[:, 85:])
+
+
+# A layer's projections, and the checkpoint projections merged into each, in order.
+MERGED = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def rank_part(
+    whole: torch.Tensor, projection: str, config: ModelConfig, shard: ModelShard
+) -> torch.Tensor:
+    """What `shard` holds of a one-process projection's weight or row scales: each merged
+    part's rows of a column-parallel one; a row-parallel one's columns, its row scales whole."""
+    if projection in ROW_PARALLEL:
+        _, columns = shard.checkpoint_index(f"{projection}.weight")
+        return whole if whole.dim() == 1 else whole[:, list(columns)]
+    sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size}
+    parts = MERGED[projection]
+    pieces = whole.split([sizes.get(part, config.intermediate_size) for part in parts])
+    module = projection.rpartition(".")[0]
+    return torch.cat(
+        [
+            piece[list(shard.checkpoint_index(f"{module}.{part}.weight")[1])]
+            for piece, part in zip(pieces, parts, strict=True)
+        ]
+    )
+
+
+def as_bytes(weight: torch.Tensor) -> torch.Tensor:
+    """fp8 weights as their bytes: what indexing and torch.equal take."""
+    return weight.view(torch.uint8) if weight.dtype == FP8 else weight
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_ranks_dequantized_fp8_projections_are_its_part_of_one_process(
+    scheme: str, tmp_path: Path
 ) -> None:
-    directory = write_tiny_model(tmp_path, arch, **overrides)
-    with pytest.raises(ModelLoadError, match=refused):
-        load_model(directory, torch.float32, "cpu", TorchPagedAttention(), tp=TensorParallel(0, 2))
+    source = write_tiny_model(tmp_path / "model", "qwen2")
+    fp8_dir, _ = write_fp8(source, tmp_path, scheme, (16, 32))
+    whole = load(fp8_dir)
+    for rank in range(2):
+        model = load(fp8_dir, tp=TensorParallel(rank, 2))
+        for projection in MERGED:
+            name = f"model.layers.1.{projection}"
+            expected = rank_part(
+                whole.get_submodule(name).weight, projection, whole.config, model.shard
+            )
+            assert torch.equal(model.get_submodule(name).weight, expected), (rank, name)
+
+
+@pytest.mark.usefixtures("fp8_runs")
+@pytest.mark.parametrize("scheme", [*SCHEMES, "quantized on load"])
+def test_a_ranks_fp8_projections_are_its_part_of_one_process(scheme: str, tmp_path: Path) -> None:
+    """Fp8Linear's fp8 rows and row scales (built on the CPU here as where fp8 runs). A
+    rank's rows requantized from a block checkpoint or its own weight have the scales of
+    its own columns: a row-parallel rank's row scales are those of its columns alone."""
+    source = write_tiny_model(tmp_path / "model", "qwen2")
+    if scheme == "quantized on load":
+        directory, plain_dir, options = source, source, {"quantization": "fp8"}
+    else:
+        directory, plain_dir = write_fp8(source, tmp_path, scheme, (16, 32))
+        options = {}
+    whole, plain = load(directory, **options), load(plain_dir)
+    requantized = scheme in ("block", "quantized on load")
+    for rank in range(2):
+        model = load(directory, tp=TensorParallel(rank, 2), **options)
+        for projection in MERGED:
+            name = f"model.layers.1.{projection}"
+            if requantized and projection in ROW_PARALLEL:
+                columns = rank_part(
+                    plain.get_submodule(name).weight, projection, whole.config, model.shard
+                )
+                weight, scale = quantize_rows(columns)
+            else:
+                expected = whole.get_submodule(name)
+                weight, scale = (
+                    rank_part(as_bytes(t), projection, whole.config, model.shard)
+                    for t in (expected.weight, expected.weight_scale)
+                )
+            got = model.get_submodule(name)
+            assert torch.equal(as_bytes(got.weight), as_bytes(weight)), (rank, name)
+            assert torch.equal(got.weight_scale, scale.view(-1)), (rank, name)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_an_fp8_mixture_of_experts_shard_is_that_of_its_dequantized_weights(
+    scheme: str, tmp_path: Path
+) -> None:
+    """Each expert's scales split with its rows (gate, up) and columns (down) of 16."""
+    source = write_tiny_model(
+        tmp_path / "model", "qwen3_moe", moe_intermediate_size=32, mlp_only_layers=[1]
+    )
+    fp8_dir, plain_dir = write_fp8(source, tmp_path, scheme, (16, 16))
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        got, want = load(fp8_dir, tp=tp).state_dict(), load(plain_dir, tp=tp).state_dict()
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (rank, name)
+
+
+def test_fp8_blocks_a_rank_would_share_are_refused(tmp_path: Path) -> None:
+    """Blocks of 48 rows: gate_proj's 128 rows split at 64 leave block 1 on both ranks."""
+    source = write_tiny_model(tmp_path / "model", "qwen2")
+    fp8_dir, _ = write_fp8(source, tmp_path, "block", (48, 32))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"fp8 tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' \[128, 64\]: a "
+        r"tensor-parallel shard holds rows 0\.\.63 of its 128, not whole blocks of "
+        r"weight_block_size \[48, 32\]; choose a tensor_parallel_size that splits its 128 "
+        r"rows on multiples of 48",
+    ):
+        load(fp8_dir, tp=TensorParallel(0, 2))
 
 
 def test_a_ranks_kv_blocks_hold_its_kv_heads_only(tmp_path: Path) -> None:

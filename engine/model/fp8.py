@@ -27,11 +27,17 @@ checkpoint's projections the same way as they load, and fails at start anywhere 
 Anywhere else (the CPU, older GPUs, the embeddings, the LM head) fp8 checkpoint weights are
 dequantized to the model's dtype at load. A mixture of experts is dequantized whole on the
 CPU and refused where fp8 runs: its experts would need an fp8 grouped GEMM.
+
+Under tensor parallelism a rank reads its rows or columns of each weight and the part of the
+scale that goes with them (`scale_index`): a per-tensor scale whole, per-row scales the rows
+of a column-parallel shard and all of them for a row-parallel one, block scales the blocks
+its part covers, which must be whole blocks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -117,6 +123,41 @@ class Fp8Checkpoint:
         if tuple(scale.shape) in ((n,), (n, 1)):
             return weight, scale.float().reshape(n)
         return quantized(self.dequantize(name, weight, scale))
+
+    def scale_index(
+        self,
+        name: str,
+        weight_shape: Sequence[int],
+        scale_shape: Sequence[int],
+        weight_index: tuple[int, Sequence[int]],
+    ) -> tuple[int, Sequence[int]] | None:
+        """(dim, indices) of the scale of checkpoint weight `name` that go with the part of
+        the weight `weight_index` reads (its dim and indices); None for all of the scale."""
+        dim, index = weight_index
+        if math.prod(scale_shape) == 1:  # per tensor
+            return None
+        if tuple(scale_shape) in ((weight_shape[0],), (weight_shape[0], 1)):  # per output row
+            return (0, index) if dim == 0 else None
+        if self.block is None or len(scale_shape) != 2:
+            return None  # not a block grid: dequantize names the shape it cannot read
+        # Each block the part covers must be all of it: a block's scale is one value for
+        # rows (columns) that a rank cannot share with another.
+        size, block = weight_shape[dim], self.block[dim]
+        blocks: list[int] = []
+        i = 0
+        while i < len(index):
+            whole = range(index[i] // block * block, min((index[i] // block + 1) * block, size))
+            if tuple(index[i : i + len(whole)]) != tuple(whole):
+                what = ("rows", "columns")[dim]
+                raise ModelLoadError(
+                    f"fp8 tensor {name!r} {list(weight_shape)}: a tensor-parallel shard holds "
+                    f"{what} {index[0]}..{index[-1]} of its {size}, not whole blocks of "
+                    f"weight_block_size {list(self.block)}; choose a tensor_parallel_size "
+                    f"that splits its {size} {what} on multiples of {block}"
+                )
+            blocks.append(index[i] // block)
+            i += len(whole)
+        return dim, blocks
 
     @staticmethod
     def check_weight(name: str, weight: torch.Tensor) -> None:

@@ -12,8 +12,10 @@ dequantized to the target dtype as it arrives, once its scale has come too.
 
 Under tensor parallelism (tp.size > 1) the model is this rank's shard
 (engine/parallel/shard.py) and each safetensors tensor is read as the rows or columns the
-rank holds, the pieces of the merged q/k/v and gate/up too; a GGUF tensor is dequantized
-whole, then sliced. What no shard is defined for yet (fp8, mixture of experts) is refused.
+rank holds, the pieces of the merged q/k/v and gate/up and each expert's too (Phi-3's
+fused qkv_proj and gate_up_proj as each part's rows), an fp8 weight's scale as the part
+that goes with them (Fp8Checkpoint.scale_index); a GGUF tensor is dequantized whole, then
+sliced.
 
 With random_weights no checkpoint tensor is read: every parameter is drawn on the device
 as transformers initialises a model (matrices normal with std 0.02, biases 0, norm
@@ -96,10 +98,8 @@ def load_model(
         config = read_hf_config(path)
         files = [] if random_weights else safetensors_files(path)
         num_tensors = sum(len(_safetensors_keys(f)) for f in files)
-        named = _read_safetensors(files, ModelShard.of(config, tp))
+        named = _read_safetensors(files, ModelShard.of(config, tp), config.fp8)
         fp8_names = _fp8_tensor_names(files) if config.fp8 is not None else set()
-    if tp.size > 1:
-        _refuse_unsharded(config, quantization)
 
     if config.moe is not None and fp8_linear_runs(device):
         _refuse_fp8_experts(config, quantization)
@@ -160,14 +160,18 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def _read_safetensors(
-    files: list[Path], shard: ModelShard
+    files: list[Path], shard: ModelShard, fp8: Fp8Checkpoint | None
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Each tensor, or the part of it the shard holds."""
+    # A scale's part depends on its weight's shape, which may be in another file.
+    shapes = _tensor_shapes(files) if fp8 is not None and shard.tp.size > 1 else {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     index = shard.checkpoint_index(name)
+                    if index is not None and fp8 is not None:
+                        index = _scale_index(name, index, fp8, shapes)
                     if index is None:
                         yield name, f.get_tensor(name), file.name
                     else:
@@ -184,6 +188,36 @@ def _sliced_gguf_tensors(
     for name, tensor in tensors:
         index = shard.checkpoint_index(name)
         yield name, tensor if index is None else _read_index(tensor, *index), path.name
+
+
+def _scale_index(
+    name: str,
+    index: tuple[int, Sequence[int]],
+    fp8: Fp8Checkpoint,
+    shapes: dict[str, list[int]],
+) -> tuple[int, Sequence[int]] | None:
+    """The part of checkpoint tensor `name` to read, `index` being what the shard holds of
+    the projection it belongs to: an fp8 scale's part goes with that of its weight."""
+    if name.endswith(INPUT_SCALES):
+        return None  # one value
+    if not name.endswith(WEIGHT_SCALES):
+        return index
+    weight = name.rpartition(".")[0] + ".weight"
+    if weight not in shapes:
+        return None  # _load_weights names the weight that is missing
+    return fp8.scale_index(weight, shapes[weight], shapes[name], index)
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Every tensor's shape, read off the files' headers."""
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes.update((name, f.get_slice(name).get_shape()) for name in f.keys())
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {file}: {e}") from e
+    return shapes
 
 
 def _read_index(tensor_slice: Any, dim: int, index: Sequence[int]) -> torch.Tensor:
@@ -206,21 +240,6 @@ def _runs(index: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i + 1))
     return runs
-
-
-def _refuse_unsharded(config: ModelConfig, quantization: str | None) -> None:
-    """What tensor parallelism has no shard for yet, refused before anything loads."""
-    if quantization is not None:
-        raise ValidationError(
-            "quantization", f"{quantization} is not supported with tensor parallelism yet"
-        )
-    if config.moe is not None:
-        what = f"mixture-of-experts models ({config.architecture})"
-    elif config.fp8 is not None:
-        what = "fp8 checkpoints"
-    else:
-        return
-    raise ModelLoadError(f"tensor parallelism does not shard {what} yet")
 
 
 def _safetensors_keys(file: Path) -> list[str]:
@@ -432,7 +451,7 @@ def checkpoint_pieces(
     pieces: dict[str, tuple[str, Rows]] = {}
     for param in param_shapes:
         module = param.split(".")[-2]
-        if (moe := moe_checkpoint_pieces(param, config)) is not None:
+        if (moe := moe_checkpoint_pieces(param, config, shard)) is not None:
             pieces.update(moe)  # stacked experts and the router
         elif module in merged:
             for part, start, rows in merged[module]:

@@ -7,6 +7,10 @@ SwiGLU MLP whose weights are stacked at load into [num_experts, ...] tensors:
     experts.gate_up_proj [E, 2 * moe_intermediate, hidden] = [gate_proj; up_proj] per expert
     experts.down_proj    [E, hidden, moe_intermediate]
 
+Under tensor parallelism every rank holds every expert with its share of the expert's
+intermediate rows (engine/parallel/shard.py) and the router whole: each rank routes alike
+and the experts' partial outputs are summed by the block's one all-reduce, as a dense MLP's.
+
 `Experts.forward` takes one of two paths. On the CPU, the reference path: for each expert some
 token chose, gather those tokens, run the expert, scatter-add its output times the router
 weight; it reads the chosen experts back to the host. On CUDA, the fused path
@@ -72,9 +76,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, config: ModelConfig, moe: MoeConfig):
+    def __init__(self, config: ModelConfig, moe: MoeConfig, shard: ModelShard | None = None):
         super().__init__()
-        size, inter = config.hidden_size, moe.moe_intermediate_size
+        size = config.hidden_size
+        # A shard's part of each expert's rows; all of them where no shard is given.
+        inter = moe.moe_intermediate_size if shard is None else shard.expert_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, size, inter))
 
@@ -111,31 +117,34 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, moe: MoeConfig):
+    def __init__(self, config: ModelConfig, moe: MoeConfig, shard: ModelShard | None = None):
         super().__init__()
+        shard = shard or ModelShard.whole(config)
+        self.tp = shard.tp
         self.gate = Router(config, moe)  # "gate" is the router's name in both checkpoints
-        self.experts = Experts(config, moe)
+        self.experts = Experts(config, moe, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
-        return self.experts(x, weights, experts)
+        return self.tp.all_reduce(self.experts(x, weights, experts))
 
 
 def layer_mlp(config: ModelConfig, layer_index: int, shard: ModelShard) -> nn.Module:
-    """A decoder layer's MLP: sparse where the config says so (held whole: the loader
-    refuses to shard one), else the dense one."""
+    """A decoder layer's MLP (the shard's part of it): sparse where the config says so,
+    else the dense one."""
     if config.moe is not None and config.moe.is_sparse_layer(layer_index):
-        return SparseMoeBlock(config, config.moe)
+        return SparseMoeBlock(config, config.moe, shard)
     return MLP(config, shard)
 
 
 def moe_checkpoint_pieces(
-    param: str, config: ModelConfig
+    param: str, config: ModelConfig, shard: ModelShard
 ) -> dict[str, tuple[str, ExpertRows | None]] | None:
     """Checkpoint names feeding one MoE parameter (None for a parameter that is not MoE).
 
-    Each expert's gate/up/down projection is copied into its slot of the stacked tensor;
-    Mixtral names the block `block_sparse_moe` and the projections w1 (gate), w3 (up), w2.
+    Each expert's gate/up/down projection (the shard's part of it) is copied into its slot
+    of the stacked tensor; Mixtral names the block `block_sparse_moe` and the projections
+    w1 (gate), w3 (up), w2.
     """
     match = _MOE_PARAM.fullmatch(param)
     if config.moe is None or match is None:
@@ -144,7 +153,7 @@ def moe_checkpoint_pieces(
     block, gate, up, down = _EXPERT_NAMES[config.architecture]
     if stacked is None:  # the router
         return {f"{prefix}{block}.{tail}": (param, None)}
-    inter = config.moe.moe_intermediate_size
+    inter = shard.expert_intermediate_size
     parts = ((gate, slice(0, inter)), (up, slice(inter, 2 * inter)))
     if stacked == "down_proj":
         parts = ((down, slice(None)),)

@@ -2,9 +2,12 @@
 
 Megatron's split: q/k/v and gate/up by output rows (column-parallel), o_proj and down_proj
 by input columns (row-parallel, their partial outputs summed by an all-reduce), the
-embedding and the LM head by vocabulary rows. Norms are held whole by every rank. At size
-1 the shard is the whole model. A checkpoint that fuses projections (Phi-3's qkv_proj and
-gate_up_proj) is read as each part's rows of the shard, in the parts' order.
+embedding and the LM head by vocabulary rows. A mixture of experts' experts are split as
+the dense MLP, each by its own intermediate size: every rank holds every expert, so one
+grouped computation per rank runs as many rows as the others, and the router is held
+whole. Norms are held whole by every rank. At size 1 the shard is the whole model. A
+checkpoint that fuses projections (Phi-3's qkv_proj and gate_up_proj) is read as each
+part's rows of the shard, in the parts' order.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class ModelShard:
     heads: range  # the checkpoint's query heads held here
     kv_heads: tuple[int, ...]  # the checkpoint's KV head behind each local one, in order
     intermediate: range  # rows of gate_proj and up_proj, columns of down_proj
+    expert_intermediate: range  # the same of each expert (empty for a dense model)
     vocab: range  # rows of the embedding and LM head read from the checkpoint
     vocab_rows: int  # their rows here: ceil(vocab / size) on every rank, the tail zero
     # The whole model's rows of each column-parallel projection: where a fused part starts.
@@ -46,6 +50,7 @@ class ModelShard:
     @classmethod
     def of(cls, config: ModelConfig, tp: TensorParallel) -> ModelShard:
         heads, kv_heads, size, rank = config.num_heads, config.num_kv_heads, tp.size, tp.rank
+        expert_intermediate = 0 if config.moe is None else config.moe.moe_intermediate_size
         if heads % size:
             raise ModelLoadError(
                 f"num_attention_heads ({heads}) must be a multiple of tensor_parallel_size ({size})"
@@ -65,13 +70,11 @@ class ModelShard:
         return cls(
             tp=tp,
             head_dim=config.head_dim,
-            heads=range(rank * heads // size, (rank + 1) * heads // size),
+            heads=_part(heads, tp),
             kv_heads=tuple(head * kv_heads // repeated for head in local),
-            # Any split of the MLP sums to the same, so an uneven intermediate size is fine.
-            intermediate=range(
-                rank * config.intermediate_size // size,
-                (rank + 1) * config.intermediate_size // size,
-            ),
+            # Any split of an MLP sums to the same, so an uneven intermediate size is fine.
+            intermediate=_part(config.intermediate_size, tp),
+            expert_intermediate=_part(expert_intermediate, tp),
             vocab=range(first_row, min(first_row + vocab_rows, config.vocab_size)),
             vocab_rows=vocab_rows,
             model_rows=(
@@ -103,6 +106,10 @@ class ModelShard:
     def intermediate_size(self) -> int:
         return len(self.intermediate)
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        return len(self.expert_intermediate)
+
     def checkpoint_index(self, name: str) -> tuple[int, Sequence[int]] | None:
         """(dim, indices along it) of the checkpoint tensor `name` that this rank holds,
         in order; None for all of it. The indices are a range except for repeated KV heads
@@ -110,6 +117,8 @@ class ModelShard:
         if self.tp.size == 1:
             return None
         module = name.rpartition(".")[0].rpartition(".")[2]
+        if ".experts." in name:  # Mixtral names gate, up and down w1, w3 and w2
+            return (1 if module in ("down_proj", "w2") else 0), self.expert_intermediate
         # Column-parallel layers take output rows (dim 0), row-parallel ones input columns.
         if module in FUSED_PARTS:
             rows: list[int] = []
@@ -126,7 +135,7 @@ class ModelShard:
             return 1, self.intermediate
         if module in ("embed_tokens", "lm_head"):
             return 0, self.vocab
-        return None  # norms
+        return None  # norms, the router
 
     def _output_rows(self, module: str) -> Sequence[int]:
         """The rows of a column-parallel projection held here."""
@@ -141,3 +150,8 @@ class ModelShard:
 
     def _head_rows(self, heads: range) -> range:
         return range(heads.start * self.head_dim, heads.stop * self.head_dim)
+
+
+def _part(total: int, tp: TensorParallel) -> range:
+    """This rank's part of `total` rows, split as evenly as can be."""
+    return range(tp.rank * total // tp.size, (tp.rank + 1) * total // tp.size)
