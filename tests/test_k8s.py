@@ -39,7 +39,7 @@ from service.settings import CONFIG_ENV, SETTINGS, read_config_file, resolve_set
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-tp")
 # The oldest version the manifests target (the preStop sleep action is GA from 1.34) and
 # the newest the validator knows.
 K8S_VERSIONS = ("1.34.0", "1.37.0")
@@ -256,6 +256,18 @@ def test_the_gpu_overlay_requests_a_gpu_and_the_cpu_one_does_not(rendered):
     assert "nvidia.com/gpu" not in json.dumps(rendered["cpu"])
     assert container(rendered["gpu"])["image"].endswith(":gpu")
     assert container(rendered["cpu"])["image"].endswith(":cpu")
+
+
+def test_the_tensor_parallel_overlay_splits_over_the_gpus_it_requests(rendered, config_file):
+    """One rank a GPU: the server's settings (config file and env, as the pod has them)
+    ask for as many ranks as the pod holds GPUs."""
+    server = container(rendered["gpu-tp"])
+    gpus = server["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == server["resources"]["requests"]["nvidia.com/gpu"] > 1
+    env = {**env_of(server), CONFIG_ENV: str(config_file)}
+    settings = resolve_settings(build_parser().parse_args(["serve"]), env)
+    assert settings.engine_config().tensor_parallel_size == gpus
+    assert server["image"] == container(rendered["gpu"])["image"]
 
 
 def test_the_autoscalers_scale_on_metrics_that_exist(rendered):

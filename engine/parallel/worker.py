@@ -41,7 +41,8 @@ def main() -> int:
     start: WorkerStart = pickle.load(sys.stdin.buffer)
     config, rank = start.config, start.rank
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}] %(message)s"
+        level=start.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}] %(message)s",
     )
     apply_kernel_cache_dir(config.kernel_cache_dir)
     torch.set_num_threads(start.num_threads)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, ValidationError
 from engine.parallel.channel import StepChannel
 from engine.parallel.group import TensorParallel
 
@@ -50,6 +50,7 @@ class WorkerStart:
     rank: int
     store_port: int
     num_threads: int  # torch's intra-op threads (the CPU), as the driver runs
+    log_level: int  # the driver's
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -82,6 +83,7 @@ class Workers:
         self.processes = processes  # rank r at r - 1
         self.channel = channel
         self._stopped = False
+        self._failed = False  # a collective failed: the group cannot hear a stop
         atexit.register(self.stop)
 
     @classmethod
@@ -90,6 +92,13 @@ class Workers:
     ) -> tuple[Workers, TensorParallel]:
         """Start the workers, and join the group as rank 0 (this process)."""
         size = config.tensor_parallel_size
+        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+            raise ValidationError(
+                "tensor_parallel_size",
+                f"{size} ranks need GPUs cuda:{device.index or 0} to "
+                f"cuda:{(device.index or 0) + size - 1}; this host has "
+                f"{torch.cuda.device_count()}",
+            )
         timeout = timedelta(seconds=config.tensor_parallel_timeout)
         store = dist.TCPStore(
             "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
@@ -97,7 +106,14 @@ class Workers:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         processes = []
         for rank in range(1, size):
-            start = WorkerStart(config, model_path, rank, store.port, torch.get_num_threads())
+            start = WorkerStart(
+                config,
+                model_path,
+                rank,
+                store.port,
+                torch.get_num_threads(),
+                logging.getLogger().getEffectiveLevel(),
+            )
             process = subprocess.Popen(
                 [sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE, env=env
             )
@@ -132,7 +148,8 @@ class Workers:
     def failure(self, exc: BaseException) -> WorkerLost:
         """exc, raised by a step under tensor parallelism, as the engine's end: naming the
         rank that exited, where one did (a collective with it fails at once)."""
-        lost = self.lost_rank() or "a tensor-parallel step failed on rank 0"
+        self._failed = True
+        lost = self.lost_rank() or "a tensor-parallel step failed (no rank exited: one may hang)"
         return WorkerLost(f"{lost}: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
@@ -142,7 +159,7 @@ class Workers:
             return
         self._stopped = True
         grace = 0.0  # a group that lost a rank cannot hear a stop: its others are killed
-        if self.lost_rank() is None:
+        if not self._failed and self.lost_rank() is None:
             try:
                 self.channel.send_stop()
                 grace = _STOP_SECONDS
