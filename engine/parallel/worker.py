@@ -22,6 +22,7 @@ import torch.distributed as dist
 from engine.core.kernel_cache import apply_kernel_cache_dir
 from engine.core.runner import ModelRunner
 from engine.core.startup import build_rank
+from engine.errors import EngineError
 from engine.parallel.channel import StepChannel
 from engine.parallel.workers import WorkerStart, join_group, rank_device
 
@@ -56,6 +57,9 @@ def main() -> int:
         runner = build_rank(config, start.model_path, tp, device, started).runner
         with torch.inference_mode():
             serve_steps(runner, channel)
+    except EngineError as exc:  # the driver says the same, in one line
+        log.error("tensor-parallel rank %d: %s", rank, exc)
+        return 1
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)
         return 1
