@@ -146,6 +146,13 @@ SHAPES = {
     "llama-3-8b": Shape(
         "LlamaForCausalLM", "llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 8192
     ),
+    # Models that need several GPUs (tensor parallelism) in bf16: 65 GB and 141 GB.
+    "qwen3-32b": Shape(
+        "Qwen3ForCausalLM", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936, False, 40960
+    ),
+    "llama-3-70b": Shape(
+        "LlamaForCausalLM", "llama", 8192, 80, 64, 8, 128, 28672, 128256, False, 8192
+    ),
     "qwen3-30b-a3b": Shape(
         "Qwen3MoeForCausalLM",
         "qwen3_moe",
@@ -284,11 +291,16 @@ class Roofline:
     floor_tok_s: float
 
 
-def roofline(shape: Shape, work: Workload, fp8_weights: bool, fp8_kv: bool) -> Roofline:
+def roofline(
+    shape: Shape, work: Workload, fp8_weights: bool, fp8_kv: bool, num_gpus: int = 1
+) -> Roofline:
     """The floor for `work` with every request running at once (the best schedule), for
     the bytes the engine reads: fp8 projections and KV take one byte an element, and fp8
-    weights multiply at the fp8 matmul rate."""
-    bandwidth, rate = copy_bandwidth(), matmul_rate(fp8=fp8_weights)
+    weights multiply at the fp8 matmul rate. Over num_gpus (tensor parallelism) each reads
+    and multiplies its share at once: this GPU's bandwidth and rate, num_gpus times (the
+    all-reduces' time is not in the floor)."""
+    bandwidth = copy_bandwidth() * num_gpus
+    rate = matmul_rate(fp8=fp8_weights) * num_gpus
     projection_bytes, kv_element_bytes = (1 if fp8_weights else 2), (1 if fp8_kv else 2)
     # Decode step s runs the requests with more than s outputs; each step reads the weights
     # (a mixture of experts: those its sequences chose) once.
@@ -345,6 +357,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         block_size=args.block_size,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
         **precision_settings(args),
     )
     params = [
@@ -491,6 +504,13 @@ def main() -> None:
         help="untimed runs of the workload before the timed ones (their ids shifted past "
         "the timed runs', so none reuses another's prefix cache)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many GPUs (the roofline counts each one's bandwidth "
+        "and matmul rate)",
+    )
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()
@@ -503,7 +523,7 @@ def main() -> None:
         shape, args.model_dir / args.shape, weights=args.compare_transformers
     )
     fp8_weights, fp8_kv = args.quantization == "fp8", args.kv_cache_dtype == "fp8_e4m3"
-    floor = roofline(shape, work, fp8_weights, fp8_kv)
+    floor = roofline(shape, work, fp8_weights, fp8_kv, args.tensor_parallel_size)
     print(f"roofline: {asdict(floor)}")
     ours = run_offline(args, model_dir, work)
     ours["of_roofline"] = round(ours["output_tok_s"] / floor.floor_tok_s, 3)
@@ -519,6 +539,7 @@ def main() -> None:
         "shape": args.shape,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "workload": work.describe(),
         "roofline": asdict(floor),
         "pagedserve": ours,

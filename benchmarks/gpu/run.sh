@@ -21,6 +21,9 @@
 #   bench-gemma3        bench on the Gemma-3-12B shape (sliding-window layers, head_dim 256)
 #   bench-fp8-kv        bench with a bf16 KV cache, then an fp8 one (Qwen3-0.6B shape)
 #   bench-fp8-8b        bench on the Llama-3-8B shape in bf16, then fp8 weights + fp8 KV
+#   tests-tp            the tensor-parallel GPU tests (as many ranks as the host has GPUs, to 4)
+#   bench-tp            bench on the Llama-3-8B shape at 1, 2 and 4 ranks, then the Qwen3-32B
+#                       and Llama-3-70B shapes at 2 and 4 (each where the host has the GPUs)
 #   host-overhead       host_overhead.py: the engine's host work per step, on this host's CPU
 #   serving             gRPC at concurrency 256 against offline (serving.py)
 #   serving-cold        the same from an empty kernel cache filled by `pagedserve warmup`,
@@ -142,6 +145,18 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-llama-3-8b.json" 2>&1 | tee -a "$OUT/log.txt" &&
       python3 benchmarks/gpu_bench.py --shape llama-3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
         $BENCH_ARGS --json-out "$OUT/gpu-llama-3-8b-fp8.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    tests-tp) python3 -m pytest -q -s -m gpu tests/test_gpu_tensor_parallel.py $TESTS_ARGS \
+        -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
+    bench-tp) gpus=$(nvidia-smi --list-gpus | wc -l) failed=0
+      for run in llama-3-8b:1 llama-3-8b:2 llama-3-8b:4 qwen3-32b:2 qwen3-32b:4 \
+          llama-3-70b:2 llama-3-70b:4; do
+        shape=${run%:*} size=${run#*:}
+        [ "$size" -le "$gpus" ] || continue
+        python3 benchmarks/gpu_bench.py --shape "$shape" --tensor-parallel-size "$size" \
+          $BENCH_ARGS --json-out "$OUT/gpu-$shape-tp$size.json" 2>&1 \
+          | tee -a "$OUT/log.txt" || failed=1
+      done
+      (exit $failed) ;;
     linear) python3 benchmarks/gpu_kernels.py --tokens --sample-rows $LINEAR_ARGS \
         --json-out "$OUT/gpu-kernels-linear.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     structured) python3 benchmarks/structured_output.py $STRUCTURED_ARGS \
