@@ -442,3 +442,21 @@ def test_a_ranks_kv_blocks_hold_its_kv_heads_only(tmp_path: Path) -> None:
     assert (config.num_kv_heads, model.shard.num_kv_heads) == (2, 1)
     whole = kv_bytes_per_block(config, 16, torch.float32)
     assert kv_bytes_per_block(config, 16, torch.float32, model.shard.num_kv_heads) == whole // 2
+
+
+def report_smallest(rank: int, size: int, port: int, out: Path) -> None:
+    """One rank of three offering 20, 17 and 14 KV blocks: what each is told."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+        tp = TensorParallel.of_default_group()
+        agreed = tp.smallest(20 - 3 * rank, torch.device("cpu"))
+        (out / f"smallest{rank}").write_text(str(agreed))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_takes_the_pool_the_smallest_fits(tmp_path: Path) -> None:
+    mp.spawn(report_smallest, args=(3, free_port(), tmp_path), nprocs=3)
+    assert [(tmp_path / f"smallest{rank}").read_text() for rank in range(3)] == ["14"] * 3

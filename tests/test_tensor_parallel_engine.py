@@ -169,11 +169,21 @@ async def test_a_lost_worker_fails_the_streams_and_readiness(
             assert psutil.pid_exists(pid) is False or psutil.Process(pid).status() == "zombie"
 
 
-def test_a_worker_killed_while_idle_ends_the_server(tiny_model: Path):
-    """`pagedserve serve` with no request running: the engine loop's own check finds the
-    lost rank, and the server exits 1 (for Kubernetes to restart it), naming it."""
-    args = ("--tensor-parallel-size", "2", "--num-blocks", "64", "--block-size", "4")
+def test_a_server_at_two_ranks_serves_then_ends_when_a_worker_dies_idle(tiny_model: Path):
+    """`pagedserve serve --tensor-parallel-size 2`: ready after its warm-up, it answers as
+    one rank does and reports its pool on /metrics; then, with no request running, a
+    killed worker is found by the engine loop's own check and the server exits 1 (for
+    Kubernetes to restart it), naming the rank."""
+    args = ("--num-blocks", "64", "--block-size", "4")
+    request = pb.GenerateRequest(text="two ranks", **greedy(12))
     with running_server(tiny_model, *args, env=ONE_THREAD) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            want = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=60)
+    with running_server(tiny_model, *args, "--tensor-parallel-size", "2", env=ONE_THREAD) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            got = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=60)
+        assert got.candidates[0].token_ids == want.candidates[0].token_ids
+        assert server.metrics()["pagedserve_kv_cache_blocks_total"] == 64
         (worker,) = [
             p
             for p in psutil.Process(server.proc.pid).children()
