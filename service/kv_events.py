@@ -33,6 +33,9 @@ from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEven
 log = logging.getLogger(__name__)
 
 HISTORY_BATCHES = 4096  # the batches kept for a subscriber that resumes
+# ... and at most this many token ids in them (what takes their memory: a step that stores
+# a 16k-token prefill's blocks carries its 16k ids), so a long prompt stream holds ~100 MB.
+HISTORY_TOKENS = 1 << 20
 SUBSCRIBER_BACKLOG = 4096  # batches a subscription may have unread before it is cut off
 
 
@@ -59,7 +62,8 @@ class KvEventHub:
         self.topic = ""
         self._lock = threading.Lock()
         self._last_sequence = 0
-        self._history: deque[KvEventBatch] = deque(maxlen=HISTORY_BATCHES)
+        self._history: deque[tuple[KvEventBatch, int]] = deque()  # each with its token count
+        self._history_tokens = 0
         self._subscriptions: set[KvEventSubscription] = set()
         self._zmq = ZmqPublisher(zmq_endpoint) if zmq_endpoint else None
 
@@ -70,7 +74,7 @@ class KvEventHub:
         with self._lock:
             self._last_sequence += 1
             batch = KvEventBatch(self._last_sequence, time.time(), tuple(events))
-            self._history.append(batch)
+            self._remember(batch)
             subscriptions = list(self._subscriptions)
         if self._zmq is not None:
             self._zmq.send(self.topic, batch)
@@ -87,13 +91,24 @@ class KvEventHub:
             if after > self._last_sequence:
                 raise ResumeTooOld(f"batch {after} was never published here")
             if after:  # the history is numbered without gaps, up to the last batch
-                oldest = self._history[0].sequence_number
+                oldest = self._history[0][0].sequence_number
                 if oldest > after + 1:
                     raise ResumeTooOld(f"batches after {after} are gone (held from {oldest} on)")
-                for batch in itertools.islice(self._history, after + 1 - oldest, None):
+                for batch, _ in itertools.islice(self._history, after + 1 - oldest, None):
                     subscription.offer(batch)
             self._subscriptions.add(subscription)
         return subscription
+
+    def _remember(self, batch: KvEventBatch) -> None:
+        """Keep batch for resuming readers, forgetting the oldest beyond the bounds (the
+        last batch is always kept). Under the lock."""
+        tokens = sum(len(e.token_ids) for e in batch.events if isinstance(e, BlockStored))
+        self._history.append((batch, tokens))
+        self._history_tokens += tokens
+        while len(self._history) > 1 and (
+            len(self._history) > HISTORY_BATCHES or self._history_tokens > HISTORY_TOKENS
+        ):
+            self._history_tokens -= self._history.popleft()[1]
 
     def unsubscribe(self, subscription: KvEventSubscription) -> None:
         with self._lock:

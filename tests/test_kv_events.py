@@ -15,8 +15,10 @@ import pytest
 import zmq
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2_grpc
 
+from engine.kv.events import BlockStored
 from pagedserve.v1 import inference_pb2 as pb
 from pagedserve.v1 import inference_pb2_grpc
+from service import kv_events
 from tests.server_process import free_port, running_server
 
 BLOCK_SIZE = 16
@@ -195,3 +197,23 @@ async def test_subscribe_kv_events_streams_the_same_batches_and_resumes(served):
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await gone.read()
         assert error.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+async def test_the_resume_history_is_bounded_by_the_tokens_it_holds(monkeypatch):
+    """A long prompt stream's stored blocks carry every prompt token: the batches kept for
+    readers that resume are cut by their tokens, not only by their count."""
+    monkeypatch.setattr(kv_events, "HISTORY_TOKENS", 1000)
+    hub = kv_events.KvEventHub()
+    for n in range(10):  # 10 batches of 4 blocks of 64 tokens: 256 tokens each
+        hashes = tuple(range(4 * n + 1, 4 * n + 5))
+        hub.publish([BlockStored(hashes, None, tuple(range(256)), 64)])
+    with pytest.raises(kv_events.ResumeTooOld, match=r"held from 8 on"):
+        hub.subscribe(after=6)
+    subscription = hub.subscribe(after=7)  # the last 3 batches (768 tokens) are held
+    resumed = []
+    async for batch in subscription:
+        resumed.append(batch.sequence_number)
+        if len(resumed) == 3:
+            break
+    hub.unsubscribe(subscription)
+    assert resumed == [8, 9, 10]
