@@ -670,3 +670,45 @@ def test_triton_step_inputs_read_the_tables_as_the_torch_path(target: str) -> No
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_triton_kernels_in_the_interpreter() -> None:
     rerun_interpreter_cases(__file__)
+
+
+def e4m3_rows(rows: int, cols: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Rows of e4m3 values times a power of two each, one value of each row at +-448 times
+    it: each row's scale is that power of two, every quotient an e4m3 value."""
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaNs
+    values = codes.view(torch.float8_e4m3fn).float()
+    values[:, 0] = 448.0 * torch.where(torch.rand(rows) < 0.5, -1.0, 1.0)
+    powers = 2.0 ** torch.randint(-4, 5, (rows, 1)).float()
+    return (values * powers).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_quantize_rows_is_the_torch_path(target: str, dtype: torch.dtype) -> None:
+    """On rows whose quotients are e4m3 values, exactly the torch path (Triton's interpreter
+    rounds other values to fp8 wrongly); on the GPU, random rows too: the same scales, each
+    value the torch path's or, where float32 division tipped a quotient over a rounding
+    boundary, one e4m3 step from it."""
+    from engine.kernels import triton_kernels
+    from engine.kernels.fp8_linear import _MIN_AMAX, FP8, FP8_MAX, quantize_rows_torch
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for rows in TOKEN_COUNTS[target]:
+        for cols in (64, 1000, 4608):  # one block, a masked one, several blocks
+            inputs = [e4m3_rows(rows, cols, dtype, device)]
+            if target == "cuda":
+                inputs.append((3 * torch.randn(rows, cols, device=device)).to(dtype))
+            for exact, x in zip((True, False), inputs):
+                x[-1] = 0  # an all-zero row: a finite scale, zeros
+                got_q, got_scale = triton_kernels.quantize_rows(x, FP8, FP8_MAX, _MIN_AMAX)
+                want_q, want_scale = quantize_rows_torch(x)
+                assert got_q.dtype == FP8 and got_scale.shape == (rows, 1)
+                torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+                got, want = got_q.float(), want_q.float()
+                if exact:
+                    assert torch.equal(got, want)
+                else:
+                    torch.testing.assert_close(got, want, rtol=2**-3, atol=2**-9)
+                    assert (got != want).float().mean() < 1e-3
+                assert not got[-1].any()

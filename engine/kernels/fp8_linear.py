@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.dispatch import use_triton
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 # An all-zero row gets this amax instead of 0: its scale stays finite, its values 0.
@@ -22,11 +24,21 @@ _MIN_AMAX = 1e-12
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]) with x ~= q * scale.
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]) with x ~= q * scale: each
+    row's amax (in float32) mapped to 448. On CUDA one Triton kernel (every fp8 projection
+    of a decode step runs one, so kernels count); elsewhere quantize_rows_torch."""
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        from engine.kernels import triton_kernels
 
-    Five kernels: the rows' amax (the infinity norm, in float32, in one pass), the scales,
-    and x / scale (a 16-bit x promoted to float32 in the same kernel), clamped in place so a
-    quotient rounded past 448 cannot become NaN (e4m3fn has no infinity), cast to fp8."""
+        return triton_kernels.quantize_rows(x, FP8, FP8_MAX, _MIN_AMAX)
+    return quantize_rows_torch(x)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in five torch kernels: the rows' amax (the infinity norm, in float32,
+    in one pass), the scales, and x / scale (a 16-bit x promoted to float32 in the same
+    kernel), clamped in place so a quotient rounded past 448 cannot become NaN (e4m3fn has
+    no infinity), cast to fp8."""
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     scale = amax.clamp_(min=_MIN_AMAX).div_(FP8_MAX)
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale

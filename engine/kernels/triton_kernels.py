@@ -192,6 +192,64 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    x_row_stride,
+    q_ptr,
+    scale_ptr,
+    cols,
+    min_amax,
+    fp8_max,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One row a program: its amax in float32 (a pass over the row), then x / scale clamped
+    # to +-fp8_max (e4m3fn has no infinity) and rounded to fp8 (a second pass, from L2).
+    _pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, cols, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offsets, mask=offsets < cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), min_amax) / fp8_max
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, cols, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < cols
+        x = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * cols + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(
+    x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, min_amax: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (fp8 [M, K], float32 scales [M, 1]), one kernel:
+    engine/kernels/fp8_linear.py's quantize_rows."""
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    block = min(triton.next_power_of_2(cols), 2048)
+    _quantize_rows_kernel[(rows,)](
+        x,
+        x.stride(0),
+        q,
+        scale,
+        cols,
+        min_amax,
+        fp8_max,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+        **_pdl_options(x.device),
+    )
+    return q, scale
+
+
+@triton.jit
 def _norm_and_rotate(
     x1,
     x2,
