@@ -379,6 +379,8 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
     ]
     median = sorted(runs, key=lambda run: run["elapsed_s"])[len(runs) // 2]
     latency = batch1_latency(llm)
+    if args.tensor_parallel_size > 1:
+        latency["all_reduce_ms_per_step"] = all_reduce_ms_per_step(llm)
     return {
         **median,
         "runs": runs,
@@ -424,6 +426,31 @@ def batch1_latency(llm, prompt_len: int = 128, new_tokens: int = 256) -> dict:
         results.append((tpot, ttft))
     tpot, ttft = min(results)
     return {"batch1_tpot_ms": round(tpot * 1e3, 3), "batch1_ttft_ms": round(ttft * 1e3, 2)}
+
+
+def all_reduce_ms_per_step(llm, new_tokens: int = 64) -> float:
+    """Under tensor parallelism: the GPU time rank 0's NCCL all-reduce kernels take per
+    step of a batch-1 decode (profiled, graphs included; it counts a rank's wait for the
+    others, as a step does)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
+    engine.add_request("all-reduce", list(range(1, 129)), params)
+    steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        while engine.has_unfinished_requests:
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    nccl_us = sum(
+        event.device_time_total
+        for event in profiled.key_averages()
+        if "AllReduce" in event.key or "all_reduce" in event.key
+    )
+    return round(nccl_us / 1e3 / steps, 4)
 
 
 # ---- transformers, for comparison ----------------------------------------------------------
