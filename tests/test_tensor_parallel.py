@@ -1,10 +1,13 @@
 """Tensor parallelism on the CPU: N gloo processes, each holding its shard of a tiny
-checkpoint (or of the embedded SmolLM2 GGUF), give the logits and greedy tokens of the
-whole model in one process."""
+checkpoint (safetensors of each family, GGUF, fp8), give the logits and greedy tokens of
+the whole model in one process. The engine's side (worker processes, the real SmolLM2
+through `pagedserve generate`) is tests/test_tensor_parallel_engine.py."""
 
 from __future__ import annotations
 
+import functools
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,7 +48,7 @@ S, F = "sliding_attention", "full_attention"
 GEMMA3 = {"sliding_window": 8, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}
 
 # name -> (arch, tensor-parallel size, write_tiny_model overrides)
-CASES = {
+MODELS = {
     "llama-4-heads-2-kv-at-2": ("llama", 2, {}),
     "qwen3-at-2": ("qwen3", 2, {}),  # q/k norm
     # 2 KV heads at 3 ranks: repeated to 6 (2 a rank); vocabulary and MLP split unevenly.
@@ -91,6 +94,43 @@ CASES = {
 }
 
 
+def tiny_gguf(directory: Path) -> Path:
+    """Sliced after dequantizing and undoing llama.cpp's q/k row order: 2 KV heads at 3."""
+    hf = write_tiny_model(directory / "hf", "llama", **SIX_HEADS)
+    return write_tiny_gguf(hf, directory / "m.gguf")
+
+
+def fp8_checkpoint(scheme: str, block: tuple[int, int] | None, **overrides) -> Callable:
+    """On the CPU fp8 weights are dequantized as they load: each rank's with its part of
+    the scales."""
+
+    def build(directory: Path) -> Path:
+        source = write_tiny_model(directory / "model", "qwen2", **overrides)
+        return write_fp8(source, directory, scheme, *([block] if block else []))[0]
+
+    return build
+
+
+# name -> (tensor-parallel size, what writes the model into a directory, the fp8 KV pool's
+# scale or None): every model above, and
+CASES: dict[str, tuple[int, Callable[[Path], Path], float | None]] = {
+    **{
+        name: (size, functools.partial(write_tiny_model, arch=arch, **overrides), None)
+        for name, (arch, size, overrides) in MODELS.items()
+    },
+    "gguf-6-heads-2-kv-at-3": (3, tiny_gguf, None),
+    "fp8-channel-at-2": (2, fp8_checkpoint("channel", None), None),
+    # 2 KV heads repeated to 6: each rank's two KV heads are whole blocks of 16 rows.
+    "fp8-blocks-at-3": (
+        3,
+        fp8_checkpoint("block", (16, 16), **SIX_HEADS, intermediate_size=96),
+        None,
+    ),
+    # Each layer's one K and one V scale hold for whichever KV heads a rank keeps.
+    "llama-over-an-fp8-kv-pool-at-2": (2, functools.partial(write_tiny_model, arch="llama"), 0.02),
+}
+
+
 def generate(
     model: LlamaForCausalLM, config: ModelConfig, kv_scale: float | None = None
 ) -> tuple[torch.Tensor, list[int]]:
@@ -110,21 +150,23 @@ def generate(
 
 
 def run_rank(
-    rank: int, size: int, port: int, directory: Path, out: Path, kv_scale: float | None
+    rank: int, size: int, port: int, jobs: list[tuple[str, Path, float | None]], out: Path
 ) -> None:
-    """One rank: its shard loaded and run; what it saw saved as rank{rank}.pt."""
+    """One rank: for each job (name, model, KV scale), its shard loaded and run; what it
+    saw saved as {name}-rank{rank}.pt."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
     try:
         tp = TensorParallel.of_default_group()
-        model, config = load_model(directory, torch.float32, "cpu", TorchPagedAttention(), tp=tp)
-        logits, tokens = generate(model, config, kv_scale)
-        torch.save(
-            {"logits": logits, "tokens": tokens, "kv_heads": model.shard.kv_heads},
-            out / f"rank{rank}.pt",
-        )
+        for name, path, kv_scale in jobs:
+            model, config = load_model(path, torch.float32, "cpu", TorchPagedAttention(), tp=tp)
+            logits, tokens = generate(model, config, kv_scale)
+            torch.save(
+                {"logits": logits, "tokens": tokens, "kv_heads": model.shard.kv_heads},
+                out / f"{name}-rank{rank}.pt",
+            )
     finally:
         dist.destroy_process_group()
 
@@ -135,66 +177,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_shards_match_one_process(
-    path: Path, size: int, out: Path, kv_scale: float | None = None
-) -> None:
-    """`size` ranks of the model at `path` give its greedy tokens in one process, and its
-    logits within TOLERANCE."""
-    model, config = load_model(path, torch.float32, "cpu", TorchPagedAttention())
-    expected_logits, expected_tokens = generate(model, config, kv_scale)
-    del model
-
-    mp.spawn(run_rank, args=(size, free_port(), path, out, kv_scale), nprocs=size)
-    for rank in range(size):
-        seen = torch.load(out / f"rank{rank}.pt")
-        assert seen["kv_heads"] == ModelShard.of(config, TensorParallel(rank, size)).kv_heads
-        assert seen["tokens"] == expected_tokens
-        for got, expected in zip(seen["logits"], expected_logits, strict=True):
-            assert rel_error(got, expected) < TOLERANCE
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_shards_match_one_process(name: str, tmp_path: Path) -> None:
-    arch, size, overrides = CASES[name]
-    directory = write_tiny_model(tmp_path / "model", arch, **overrides)
-    assert_shards_match_one_process(directory, size, tmp_path)
-
-
-def test_gguf_shards_match_one_process(tmp_path: Path) -> None:
-    """Sliced after dequantizing and undoing llama.cpp's q/k row order: 2 KV heads at 3."""
-    directory = write_tiny_model(tmp_path / "hf", "llama", **SIX_HEADS)
-    gguf_path = write_tiny_gguf(directory, tmp_path / "m.gguf")
-    assert_shards_match_one_process(gguf_path, 3, tmp_path)
-
-
-@pytest.mark.slow
-def test_smollm2_gguf_shards_match_one_process(smollm2_gguf: Path, tmp_path: Path) -> None:
-    """The embedded default (Q4_1, 9 query heads, 3 KV heads, a tied head) at 3 ranks."""
-    assert_shards_match_one_process(smollm2_gguf, 3, tmp_path)
-
-
-@pytest.mark.parametrize(
-    ("scheme", "block", "size", "overrides"),
-    [
-        ("channel", None, 2, {}),
-        # 2 KV heads repeated to 6: each rank's two KV heads are whole blocks of 16 rows.
-        ("block", (16, 16), 3, SIX_HEADS | {"intermediate_size": 96}),
-    ],
-)
-def test_fp8_checkpoint_shards_match_one_process(
-    scheme: str, block: tuple[int, int] | None, size: int, overrides: dict, tmp_path: Path
-) -> None:
-    """On the CPU fp8 weights are dequantized as they load: each rank's with its part of
-    the scales."""
-    source = write_tiny_model(tmp_path / "model", "qwen2", **overrides)
-    fp8_dir, _ = write_fp8(source, tmp_path, scheme, *([block] if block else []))
-    assert_shards_match_one_process(fp8_dir, size, tmp_path)
-
-
-def test_shards_match_one_process_over_an_fp8_kv_pool(tmp_path: Path) -> None:
-    """Each layer's one K and one V scale hold for whichever KV heads a rank keeps."""
-    directory = write_tiny_model(tmp_path / "model", "llama")
-    assert_shards_match_one_process(directory, 2, tmp_path, kv_scale=0.02)
+@pytest.mark.parametrize("size", [2, 3])
+def test_shards_match_one_process(size: int, tmp_path: Path) -> None:
+    """Every case of this size, its ranks spawned once: each rank's greedy tokens are one
+    process's, its logits within TOLERANCE."""
+    jobs, expected = [], {}
+    for name, (case_size, build, kv_scale) in CASES.items():
+        if case_size == size:
+            path = build(tmp_path / name)
+            model, config = load_model(path, torch.float32, "cpu", TorchPagedAttention())
+            expected[name] = (config, *generate(model, config, kv_scale))
+            jobs.append((name, path, kv_scale))
+    mp.spawn(run_rank, args=(size, free_port(), jobs, tmp_path), nprocs=size)
+    for name, (config, expected_logits, expected_tokens) in expected.items():
+        for rank in range(size):
+            seen = torch.load(tmp_path / f"{name}-rank{rank}.pt")
+            shard = ModelShard.of(config, TensorParallel(rank, size))
+            assert seen["kv_heads"] == shard.kv_heads, name
+            assert seen["tokens"] == expected_tokens, name
+            for got, want in zip(seen["logits"], expected_logits, strict=True):
+                assert rel_error(got, want) < TOLERANCE, name
 
 
 def tiny_config(heads: int, kv_heads: int, vocab_size: int = 400) -> ModelConfig:
