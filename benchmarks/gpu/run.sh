@@ -51,6 +51,7 @@ BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
 STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for structured
 MASKS_ARGS=${MASKS_ARGS:-}  # more token_masks.py options for token-masks, e.g. "--tokenizer DIR"
+MOE_ARGS=${MOE_ARGS:-}  # more gpu_moe.py options for moe, e.g. "--tile-sweep --shapes qwen3-30b-a3b"
 # Diffs to apply to this (throwaway) copy of the tree first, so that its steps (the GPU
 # tests above all) run an experiment: APPLY_PATCHES="/path/to/experiment.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
@@ -82,7 +83,7 @@ for step in "$@"; do
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    moe) python3 benchmarks/gpu_moe.py --json-out "$OUT/gpu-moe.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    moe) python3 benchmarks/gpu_moe.py $MOE_ARGS --json-out "$OUT/gpu-moe.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     # The engine's own host work per step, on this machine's CPU (no GPU involved).
     host-overhead) python3 benchmarks/host_overhead.py --repeats 3 --max-out 300 --json-out "$OUT/host-overhead.json" \
