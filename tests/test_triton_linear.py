@@ -89,6 +89,58 @@ def test_skinny_linear_equals_the_float32_product(
             assert_one_rounding_from(out, expected)
 
 
+@pytest.mark.parametrize("target", TRITON_TARGETS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_skinny_fp8_linear_equals_the_float32_product_of_its_scaled_operands(
+    target: str, rows: int, out_dtype: torch.dtype
+) -> None:
+    """fp8 operands with their row scales: (x * x_scale) @ (W * w_scale)^T in float32,
+    rounded once, through both product forms, as torch._scaled_mm computes it."""
+    from engine.kernels.fp8_linear import quantize_rows_torch
+    from engine.kernels.triton_linear import skinny_fp8_linear
+
+    device = "cuda" if target == "cuda" else "cpu"
+    for n, k, has_bias in SHAPES:
+        x, x_scale = quantize_rows_torch(torch.randn(rows, k, device=device))
+        weight, w_scale = quantize_rows_torch(torch.randn(n, k, device=device) / k**0.5)
+        bias = torch.randn(n, dtype=out_dtype, device=device) if has_bias else None
+        expected = (x.float() * x_scale) @ (weight.float() * w_scale).T
+        if bias is not None:
+            expected += bias.float()
+        for config in configs(rows):
+            out = skinny_fp8_linear(x, x_scale, weight, w_scale.view(-1), bias, out_dtype, config)
+            assert out.shape == (rows, n) and out.dtype == out_dtype and out.is_contiguous()
+            assert_one_rounding_from(out, expected)
+
+
+@needs_triton
+def test_fp8_linear_takes_the_skinny_kernel_for_a_few_rows_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp8_linear on a device taken to run triton: the same quantized operands go to the
+    skinny kernel up to its SKINNY_MAX_ROWS, to torch._scaled_mm beyond."""
+    from engine.kernels import fp8_linear, triton_linear
+
+    calls = []
+
+    def recording_kernel(x, x_scale, weight, weight_scale, bias, out_dtype):
+        calls.append(x.shape[0])
+        return ((x.float() * x_scale) @ (weight.float() * weight_scale.view(-1, 1)).T).to(out_dtype)
+
+    monkeypatch.setattr(fp8_linear, "use_triton", lambda x: True)
+    monkeypatch.setattr(fp8_linear, "quantize_rows", fp8_linear.quantize_rows_torch)
+    monkeypatch.setattr(triton_linear, "skinny_fp8_linear", recording_kernel)
+    weight, scale = fp8_linear.quantize_rows_torch(torch.randn(32, 64))
+    limit = fp8_linear.SKINNY_MAX_ROWS
+    for rows in (1, limit, limit + 1, 64):
+        calls.clear()
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        out = fp8_linear.fp8_linear(x, weight, scale.view(-1))
+        assert out.shape == (rows, 32) and out.dtype == torch.bfloat16
+        assert calls == ([rows] if rows <= limit else [])
+
+
 @needs_triton
 def test_skinny_linear_rejects_what_it_does_not_read() -> None:
     """Checked on the host before any launch: strided operands, mixed or 32-bit dtypes."""

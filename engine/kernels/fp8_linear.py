@@ -3,7 +3,9 @@
 x is quantized per token on the fly (each row's amax mapped to e4m3's largest value, 448),
 then torch._scaled_mm's rowwise recipe multiplies the two fp8 operands on the tensor cores
 and applies both scale vectors (scale_a [M, 1], scale_b [1, N], float32) in its epilogue.
-That recipe writes bfloat16 only, so a float16 model's output is cast once more. Nothing
+That recipe writes bfloat16 only, so a float16 model's output is cast once more. A decode
+batch of a few rows is a weight read, which the skinny-GEMM Triton kernel does faster from
+the same operands and scales (SKINNY_MAX_ROWS). Nothing
 reads a value back to the host, so a decode step with fp8 projections is captured in a
 CUDA graph like any other.
 
@@ -21,6 +23,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 # An all-zero row gets this amax instead of 0: its scale stays finite, its values 0.
 _MIN_AMAX = 1e-12
+# Up to this many rows (decode batches) the product runs in the skinny-GEMM Triton kernel
+# (engine/kernels/triton_linear.py) on the same fp8 operands and scales, beyond in
+# torch._scaled_mm. Measured by benchmarks/gpu_kernels.py --tokens --fp8.
+SKINNY_MAX_ROWS = 2
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +59,10 @@ def fp8_linear(
     """x [M, K] (16-bit float) @ (weight [N, K] fp8 * weight_scale [N, 1])^T (+ bias [N]),
     in x's dtype. N and K must be multiples of 16 (fp8_linear_fits)."""
     x_fp8, x_scale = quantize_rows(x.contiguous())  # the fp8 GEMM takes row-major x only
+    if x.shape[0] <= SKINNY_MAX_ROWS and use_triton(x) and weight.is_contiguous():
+        from engine.kernels import triton_linear
+
+        return triton_linear.skinny_fp8_linear(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
     out = torch._scaled_mm(
         x_fp8,
         weight.t(),  # column-major, as the fp8 GEMM wants its second operand

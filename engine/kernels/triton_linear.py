@@ -72,10 +72,13 @@ def _skinny_linear_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    x_scale_ptr,
+    w_scale_ptr,
     num_rows,
     n,
     k,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -110,6 +113,9 @@ def _skinny_linear_kernel(
                 )
                 part = tl.sum(w32 * x_m.to(tl.float32), axis=1)  # [BLOCK_N]
                 acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    if HAS_SCALES:  # fp8 operands: x's scale per row, W's per output column
+        x_scale = tl.load(x_scale_ptr + tl.minimum(rows, num_rows - 1))
+        acc *= x_scale[:, None] * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * n + cols[None, :]
@@ -133,12 +139,47 @@ def skinny_linear(
     assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
     assert x.dtype in (torch.bfloat16, torch.float16), "16-bit float inputs only"
     assert weight.dtype == x.dtype, "x and weight must share a dtype"
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.dtype == x.dtype and bias.is_contiguous()
+    return _launch(x, weight, bias, None, None, x.dtype, config)
+
+
+def skinny_fp8_linear(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """(x [M, K] * x_scale [M, 1]) @ (weight [N, K] * weight_scale [N, 1])^T (+ bias [N])
+    -> [M, N] in out_dtype: the product torch._scaled_mm's rowwise recipe computes, from
+    the same fp8 operands and float32 scales (engine/kernels/fp8_linear.py), the scales
+    applied to the float32 sums before the one rounding."""
+    assert x.dim() == 2 and weight.dim() == 2, "x is [M, K], weight [N, K]"
+    assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
+    assert x.dtype == weight.dtype == torch.float8_e4m3fn, "fp8 (e4m3fn) operands only"
+    assert x_scale.numel() == x.shape[0] and weight_scale.numel() == weight.shape[0]
+    assert x_scale.dtype == weight_scale.dtype == torch.float32, "float32 scales"
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.dtype == out_dtype
+    return _launch(x, weight, bias, x_scale, weight_scale, out_dtype, config)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_scale: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: SkinnyConfig | None,
+) -> torch.Tensor:
     num_rows, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x is [{num_rows}, {k}] but weight is {list(weight.shape)}"
-    if bias is not None:
-        assert bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous()
-    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_rows, n, dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return out
     config = config or pick_config(num_rows, n, k)
@@ -150,10 +191,13 @@ def skinny_linear(
         weight,
         bias,
         out,
+        x_scale,
+        weight_scale,
         num_rows,
         n,
         k,
         HAS_BIAS=bias is not None,
+        HAS_SCALES=x_scale is not None,
         USE_DOT=config.use_dot,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
