@@ -1,7 +1,7 @@
 """What each fp8 mode costs in accuracy: teacher-forced top-1 agreement with bf16, and NLL.
 
-    python benchmarks/fp8_accuracy.py [--model PATH | --random-shape NAME] [--device cpu|cuda]
-        --json-out result.json
+    python benchmarks/fp8_accuracy.py [--model PATH | --random-shape NAME [--tokenizer PATH]]
+        [--device cpu|cuda] --json-out result.json
 
 The model (default: the embedded SmolLM2-135M-Instruct) reads a fixed English text once per
 mode, through the engine's prompt logprobs: at every position its top-2 next tokens and the
@@ -12,8 +12,9 @@ logprob of the text's tokens. A mode the device cannot run (fp8 weights on the C
 reported with the one line that refuses it.
 
 With --random-shape the weights are random bf16 ones in a shape of benchmarks/gpu_bench.py
-(transformers' initialisation), reading the same text as the embedded model's tokens; its
-NLL means nothing, its agreement says what fp8 does to weights that were never trained.
+(transformers' initialisation), reading the same text as the embedded model's tokens (or
+--tokenizer's: an HF tokenizer directory or a .gguf); its NLL means nothing, its agreement
+says what fp8 does to weights that were never trained.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def compare(reference: list, positions: list) -> dict:
     }
 
 
-def random_model(shape: str) -> tuple[str, list[int]]:
+def random_model(shape: str, tokenizer: Path | None) -> tuple[str, list[int]]:
     """A random-weight model of `shape` (written once, under the temp dir) and the text as
-    the embedded model's tokens, which index its vocabulary as well."""
+    the tokenizer's tokens (default: the embedded model's), which must index its vocabulary."""
     import tempfile
 
     from benchmarks.gpu_bench import SHAPES, write_random_model
@@ -100,7 +101,7 @@ def random_model(shape: str) -> tuple[str, list[int]]:
 
     path = Path(tempfile.gettempdir()) / "pagedserve-bench-models" / shape
     write_random_model(SHAPES[shape], path)
-    ids = Tokenizer.from_path(resolve_model(None)).encode(TEXT)
+    ids = Tokenizer.from_path(tokenizer or resolve_model(None)).encode(TEXT)
     assert max(ids) < SHAPES[shape].vocab_size, "the text's tokens are not in its vocabulary"
     return str(path), ids
 
@@ -113,13 +114,16 @@ def main() -> None:
     p.add_argument(
         "--random-shape", default=None, help="random weights in this gpu_bench shape instead"
     )
+    p.add_argument(
+        "--tokenizer", type=Path, default=None, help="--random-shape's tokens (default: embedded)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args()
 
     model, text = args.model, TEXT
     if args.random_shape is not None:
-        model, text = random_model(args.random_shape)
+        model, text = random_model(args.random_shape, args.tokenizer)
     results: dict = {}
     reference = None
     for mode, settings in MODES.items():

@@ -38,6 +38,7 @@
 #   attention           gpu_attention.py: the decode attention kernels
 #   attention-workload  gpu_attention.py at the workload's own decode steps only
 #   moe                 gpu_moe.py: the fused MoE implementations at decode and prefill rows
+#   fp8-accuracy        fp8_accuracy.py on random weights in SmolLM2-135M's shape (.bench-tokenizer)
 #   fp8-linear          gpu_fp8_linear.py: fp8 projections, the skinny kernel vs torch._scaled_mm
 #
 # flashinfer's and Triton's kernel caches live in .ficache/ (git-ignored). A run leaves
@@ -85,6 +86,9 @@ for step in "$@"; do
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     moe) python3 benchmarks/gpu_moe.py $MOE_ARGS --json-out "$OUT/gpu-moe.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    fp8-accuracy) python3 benchmarks/fp8_accuracy.py --device cuda --random-shape smollm2-135m \
+        --tokenizer .bench-tokenizer --json-out "$OUT/gpu-fp8-accuracy-random-smollm2.json" 2>&1 \
+        | tee -a "$OUT/log.txt" ;;
     fp8-linear) python3 benchmarks/gpu_fp8_linear.py --json-out "$OUT/gpu-fp8-linear.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
