@@ -25,6 +25,12 @@ autotuner would benchmark inside a CUDA-graph capture). The launcher never reads
 captured; the row count is not specialized on (do_not_specialize), so a new batch size
 only compiles again when it changes the power-of-two row block.
 
+`skinny_fp8_linear` runs the same kernel on fp8 (e4m3) x and W with a float32 scale per
+row of each (engine/kernels/fp8_linear.py quantizes x per token): both product forms take
+the fp8 values as they are, and the two scales multiply each float32 sum before the bias
+and the one rounding, as torch._scaled_mm's rowwise recipe does. Its launch configuration
+is pick_config's, chosen for 16-bit weights.
+
 TRITON_INTERPRET=1 runs this kernel on CPU tensors (tests/test_triton_linear.py does).
 """
 
