@@ -17,6 +17,12 @@ next of identical weight copies spanning 512 MB, so replays stream the weight fr
 The table gives the weight bytes read per second (1 byte a weight in fp8, 2 in bf16); the
 summary sums a layer's four projections per row count and prints the largest row count up
 to which the skinny kernel wins at every count: fp8_linear's SKINNY_MAX_ROWS.
+
+--sweep also times the skinny kernel's candidate launch configurations on fp8 operands up
+to 64 rows (K steps of up to 4,096 one-byte weights) and prints the best per shape and
+row count beside pick_config's and torch._scaled_mm:
+
+    python benchmarks/gpu_fp8_linear.py --sweep --rows 1 2 4 8 16 32 64
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -94,6 +101,91 @@ def time_shape(name: str, rows: int) -> list[dict]:
     return results
 
 
+def sweep_configs(rows: int, k: int) -> list:
+    """Candidate launch configurations: CUDA-core products up to 8 rows, tensor cores at
+    any row count, K steps sized for one-byte weights."""
+    from engine.kernels.triton_linear import SkinnyConfig
+
+    steps = [step for step in (256, 512, 1024, 2048, 4096) if step <= k]
+    configs = []
+    if rows <= 8:
+        configs += [
+            SkinnyConfig(False, block_n, block_k, warps, stages)
+            for block_n in (4, 8)
+            for block_k in steps
+            if block_k >= 1024
+            for warps, stages in ((4, 1), (8, 2))
+        ]
+    configs += [
+        SkinnyConfig(True, block_n, block_k, warps, stages)
+        for block_n in (16, 32)
+        for block_k in steps
+        if block_k <= 1024
+        for warps, stages in ((4, 4), (8, 4))
+    ]
+    return configs
+
+
+def sweep_shape(name: str, rows: int) -> dict:
+    """Every candidate on one shape and row count: the best against pick_config's pick and
+    torch._scaled_mm, each including the per-token quantization of x."""
+    import triton.testing
+
+    from engine.kernels.triton_linear import pick_config, skinny_fp8_linear
+
+    n, k = SHAPES[name]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    quantized, scale = fp8_linear.quantize_rows(torch.randn(n, k, device="cuda") / k**0.5)
+    weight, scale = rotating_weights(quantized), scale.view(-1)
+
+    def skinny_with(config):
+        def call() -> torch.Tensor:
+            x_fp8, x_scale = fp8_linear.quantize_rows(x)
+            return skinny_fp8_linear(x_fp8, x_scale, weight(), scale, None, x.dtype, config)
+
+        return call
+
+    def time(call) -> float | None:
+        try:
+            return triton.testing.do_bench_cudagraph(call, rep=10, return_mode="median") * 1e3
+        except Exception:  # a configuration that does not compile or fit is left out
+            return None
+
+    timed = [(config, time(skinny_with(config))) for config in sweep_configs(rows, k)]
+    ok = [(config, us) for config, us in timed if us is not None]
+    best, best_us = min(ok, key=lambda pair: pair[1])
+    return {
+        "op": name,
+        "rows": rows,
+        "best": asdict(best),
+        "best_us": best_us,
+        "best_weight_tbps": n * k / (best_us * 1e-6) / 1e12,
+        "rule": asdict(pick_config(rows, n, k)),
+        "rule_us": time(skinny_with(None)),
+        "scaled_mm_us": time(fp8_with_skinny_up_to(0, x, weight, scale)),
+        "failed": len(timed) - len(ok),
+    }
+
+
+def print_sweep(found: list[dict]) -> None:
+    def name(config: dict) -> str:
+        kind = "dot" if config["use_dot"] else "cores"
+        return f"{kind} n{config['block_n']} k{config['block_k']} w{config['num_warps']} s{config['num_stages']}"
+
+    print("\nskinny fp8 sweep: the best configuration per shape and rows")
+    for case in found:
+        print(
+            f"  {case['op']:<8} rows {case['rows']:>3}: best {name(case['best']):<26} "
+            f"{case['best_us']:7.1f} us {case['best_weight_tbps']:.2f} TB/s | rule "
+            f"{name(case['rule']):<26} {case['rule_us']} us | _scaled_mm {case['scaled_mm_us']} us"
+        )
+    for count in sorted({case["rows"] for case in found}):
+        layer = [case for case in found if case["rows"] == count]
+        best = sum(case["best_us"] for case in layer)
+        scaled = sum(case["scaled_mm_us"] or float("inf") for case in layer)
+        print(f"  per layer at {count} rows: best skinny {best:.1f} us, _scaled_mm {scaled:.1f} us")
+
+
 def summarize(rows: list[dict]) -> int:
     """Print the table and each row count's per-layer sums; return SKINNY_MAX_ROWS."""
     print(f"{'op':<8} {'rows':>5} | " + " | ".join(f"{impl + ' us  TB/s':>17}" for impl in IMPLS))
@@ -123,6 +215,11 @@ def summarize(rows: list[dict]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the skinny kernel's candidate configurations",
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     assert fp8_linear.fp8_linear_runs(torch.device("cuda")), "needs a GPU with fp8 tensor cores"
@@ -133,9 +230,13 @@ def main() -> None:
             rows += time_shape(name, count)
             torch.cuda.empty_cache()
     limit = summarize(rows)
+    sweep = []
+    if args.sweep:
+        sweep = [sweep_shape(name, count) for name in SHAPES for count in args.rows if count <= 64]
+        print_sweep(sweep)
     if args.json_out:
         info = {**run_info(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-        payload = {"run": info, "rows": rows, "skinny_max_rows": limit}
+        payload = {"run": info, "rows": rows, "skinny_max_rows": limit, "sweep": sweep}
         args.json_out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json_out}")
 

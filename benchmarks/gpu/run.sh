@@ -53,6 +53,7 @@ BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
 STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for structured
 MASKS_ARGS=${MASKS_ARGS:-}  # more token_masks.py options for token-masks, e.g. "--tokenizer DIR"
+FP8_LINEAR_ARGS=${FP8_LINEAR_ARGS:-}  # more gpu_fp8_linear.py options, e.g. "--sweep --rows 1 2 4 8 16 32 64"
 MOE_ARGS=${MOE_ARGS:-}  # more gpu_moe.py options for moe, e.g. "--tile-sweep --shapes qwen3-30b-a3b"
 # Diffs to apply to this (throwaway) copy of the tree first, so that its steps (the GPU
 # tests above all) run an experiment: APPLY_PATCHES="/path/to/experiment.patch".
@@ -89,7 +90,7 @@ for step in "$@"; do
     fp8-accuracy) python3 benchmarks/fp8_accuracy.py --device cuda --random-shape smollm2-135m \
         --tokenizer .bench-tokenizer --json-out "$OUT/gpu-fp8-accuracy-random-smollm2.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;
-    fp8-linear) python3 benchmarks/gpu_fp8_linear.py --json-out "$OUT/gpu-fp8-linear.json" 2>&1 \
+    fp8-linear) python3 benchmarks/gpu_fp8_linear.py $FP8_LINEAR_ARGS --json-out "$OUT/gpu-fp8-linear.json" 2>&1 \
         | tee -a "$OUT/log.txt" ;;
     kernels) python3 benchmarks/gpu_kernels.py --json-out "$OUT/gpu-kernels.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     # The engine's own host work per step, on this machine's CPU (no GPU involved).
