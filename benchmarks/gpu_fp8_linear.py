@@ -76,10 +76,10 @@ def time_shape(name: str, rows: int) -> list[dict]:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     bf16 = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
     quantized, scale = fp8_linear.quantize_rows(bf16)
-    scale = scale.view(-1)
+    fp8_weight, scale = rotating_weights(quantized), scale.view(-1)
     calls = {
-        "skinny": (fp8_with_skinny_up_to(1 << 30, x, rotating_weights(quantized), scale), 1),
-        "scaled_mm": (fp8_with_skinny_up_to(0, x, rotating_weights(quantized), scale), 1),
+        "skinny": (fp8_with_skinny_up_to(1 << 30, x, fp8_weight, scale), 1),
+        "scaled_mm": (fp8_with_skinny_up_to(0, x, fp8_weight, scale), 1),
         "bf16": ((lambda weight: lambda: linear(x, weight()))(rotating_weights(bf16)), 2),
     }
     reference = calls["scaled_mm"][0]()

@@ -141,12 +141,8 @@ def skinny_linear(
     x and weight must be contiguous and of one 16-bit float dtype (bias too); `config`
     overrides pick_config (the benchmark's sweep passes candidates).
     """
-    assert x.dim() == 2 and weight.dim() == 2, "x is [M, K], weight [N, K]"
-    assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
     assert x.dtype in (torch.bfloat16, torch.float16), "16-bit float inputs only"
     assert weight.dtype == x.dtype, "x and weight must share a dtype"
-    if bias is not None:
-        assert bias.shape == (weight.shape[0],) and bias.dtype == x.dtype and bias.is_contiguous()
     return _launch(x, weight, bias, None, None, x.dtype, config)
 
 
@@ -163,13 +159,9 @@ def skinny_fp8_linear(
     -> [M, N] in out_dtype: the product torch._scaled_mm's rowwise recipe computes, from
     the same fp8 operands and float32 scales (engine/kernels/fp8_linear.py), the scales
     applied to the float32 sums before the one rounding."""
-    assert x.dim() == 2 and weight.dim() == 2, "x is [M, K], weight [N, K]"
-    assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
     assert x.dtype == weight.dtype == torch.float8_e4m3fn, "fp8 (e4m3fn) operands only"
     assert x_scale.numel() == x.shape[0] and weight_scale.numel() == weight.shape[0]
     assert x_scale.dtype == weight_scale.dtype == torch.float32, "float32 scales"
-    if bias is not None:
-        assert bias.shape == (weight.shape[0],) and bias.dtype == out_dtype
     return _launch(x, weight, bias, x_scale, weight_scale, out_dtype, config)
 
 
@@ -182,9 +174,15 @@ def _launch(
     out_dtype: torch.dtype,
     config: SkinnyConfig | None,
 ) -> torch.Tensor:
+    """The checks both products share (shapes, layout, the bias in the output's dtype), then
+    the kernel into a fresh [M, N] of out_dtype."""
+    assert x.dim() == 2 and weight.dim() == 2, "x is [M, K], weight [N, K]"
+    assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
     num_rows, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x is [{num_rows}, {k}] but weight is {list(weight.shape)}"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == out_dtype and bias.is_contiguous()
     out = torch.empty(num_rows, n, dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return out
