@@ -167,6 +167,7 @@ def run_rank(
                 {"logits": logits, "tokens": tokens, "kv_heads": model.shard.kv_heads},
                 out / f"{name}-rank{rank}.pt",
             )
+        dist.barrier()  # no rank leaves the group while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -455,6 +456,7 @@ def report_smallest(rank: int, size: int, port: int, out: Path) -> None:
         tp = TensorParallel.of_default_group()
         agreed = tp.smallest(20 - 3 * rank, torch.device("cpu"))
         (out / f"smallest{rank}").write_text(str(agreed))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
