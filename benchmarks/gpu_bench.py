@@ -334,19 +334,12 @@ def precision_settings(args: argparse.Namespace) -> dict:
     return {name: value for name, value in settings.items() if value not in (None, "auto")}
 
 
-def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
-    """The workload args.repeats times on one engine, after args.warmup_runs untimed runs:
-    each run's figures, and the timed runs' median.
-
-    Run r adds r to every prompt token id (ids stay under the vocabulary), so no run hits
-    the prefix cache the runs before it filled; lengths, and so the work, are the same.
-    Repeats in one process share its start-up and its machine, so they separate a change
-    from run-to-run noise more cheaply than separate machines or processes (whose copy
-    bandwidth alone moves by a few percent)."""
+def start_engine(args: argparse.Namespace, model_dir: Path):
+    """The engine on the random model in model_dir (weights drawn on load), as the flags of
+    add_engine_arguments set it."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
-    llm = LLM(
+    return LLM(
         str(model_dir),
         device="cuda",
         dtype="bfloat16",
@@ -360,6 +353,20 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         tensor_parallel_size=args.tensor_parallel_size,
         **precision_settings(args),
     )
+
+
+def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> dict:
+    """The workload args.repeats times on one engine, after args.warmup_runs untimed runs:
+    each run's figures, and the timed runs' median.
+
+    Run r adds r to every prompt token id (ids stay under the vocabulary), so no run hits
+    the prefix cache the runs before it filled; lengths, and so the work, are the same.
+    Repeats in one process share its start-up and its machine, so they separate a change
+    from run-to-run noise more cheaply than separate machines or processes (whose copy
+    bandwidth alone moves by a few percent)."""
+    from engine.sampling_params import SamplingParams
+
+    llm = start_engine(args, model_dir)
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
@@ -488,10 +495,8 @@ def run_transformers(model_dir: Path, work: Workload) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model shape and the engine settings, for start_engine."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/pagedserve-bench-models"))
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -519,6 +524,20 @@ def main() -> None:
         help="overlap the host's next step with the GPU's current one (default: on)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many GPUs (the roofline counts each one's bandwidth "
+        "and matmul rate)",
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_engine_arguments(p)
+    p.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -530,13 +549,6 @@ def main() -> None:
         default=1,
         help="untimed runs of the workload before the timed ones (their ids shifted past "
         "the timed runs', so none reuses another's prefix cache)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over this many GPUs (the roofline counts each one's bandwidth "
-        "and matmul rate)",
     )
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--json-out", type=Path, default=None)

@@ -40,6 +40,10 @@
 #   moe                 gpu_moe.py: the fused MoE implementations at decode and prefill rows
 #   fp8-accuracy        fp8_accuracy.py on random weights in SmolLM2-135M's shape (.bench-tokenizer)
 #   fp8-linear          gpu_fp8_linear.py: fp8 projections, the skinny kernel vs torch._scaled_mm
+#   profile             gpu_profile.py: the kernels' share of a prefill, a busy decode and a
+#                       batch-1 decode step (PROFILE_ARGS picks the shape and precision)
+#   profile-fp8-8b      profile on the Llama-3-8B shape in bf16, then fp8 weights + fp8 KV
+#   profile-moe         profile on the Qwen3-30B-A3B shape
 #
 # flashinfer's and Triton's kernel caches live in .ficache/ (git-ignored). A run leaves
 # them in $OUT as ficache.tar.gz.* (12 MiB parts); `cat` them into .ficache.tgz in the
@@ -55,6 +59,7 @@ STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for st
 MASKS_ARGS=${MASKS_ARGS:-}  # more token_masks.py options for token-masks, e.g. "--tokenizer DIR"
 FP8_LINEAR_ARGS=${FP8_LINEAR_ARGS:-}  # more gpu_fp8_linear.py options, e.g. "--sweep --rows 1 2 4 8 16 32 64"
 MOE_ARGS=${MOE_ARGS:-}  # more gpu_moe.py options for moe, e.g. "--tile-sweep --shapes qwen3-30b-a3b"
+PROFILE_ARGS=${PROFILE_ARGS:-}  # gpu_profile.py options for profile, e.g. "--shape llama-3-8b"
 # Diffs to apply to this (throwaway) copy of the tree first, so that its steps (the GPU
 # tests above all) run an experiment: APPLY_PATCHES="/path/to/experiment.patch".
 APPLY_PATCHES=${APPLY_PATCHES:-}
@@ -154,6 +159,14 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-llama-3-8b.json" 2>&1 | tee -a "$OUT/log.txt" &&
       python3 benchmarks/gpu_bench.py --shape llama-3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
         $BENCH_ARGS --json-out "$OUT/gpu-llama-3-8b-fp8.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile) python3 benchmarks/gpu_profile.py $PROFILE_ARGS --json-out "$OUT/gpu-profile.json" 2>&1 \
+        | tee -a "$OUT/log.txt" ;;
+    profile-fp8-8b) python3 benchmarks/gpu_profile.py --shape llama-3-8b \
+        --json-out "$OUT/gpu-profile-llama-3-8b.json" 2>&1 | tee -a "$OUT/log.txt" &&
+      python3 benchmarks/gpu_profile.py --shape llama-3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+        --json-out "$OUT/gpu-profile-llama-3-8b-fp8.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    profile-moe) python3 benchmarks/gpu_profile.py --shape qwen3-30b-a3b --gpu-memory-utilization 0.95 \
+        --json-out "$OUT/gpu-profile-qwen3-30b-a3b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     tests-tp) python3 -m pytest -q -s -m gpu tests/test_gpu_tensor_parallel.py $TESTS_ARGS \
         -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     bench-tp) gpus=$(nvidia-smi --list-gpus | wc -l) failed=0
