@@ -1,6 +1,7 @@
 """GPU micro-benchmark: the paged decode kernels at the offline workload's shapes.
 
-    python benchmarks/gpu_attention.py [--workload-only] [--variants NAME ...] [--json-out FILE]
+    python benchmarks/gpu_attention.py [--workload-only] [--variants NAME ...]
+        [--kv-cache-dtype fp8_e4m3] [--triton-sweep] [--json-out FILE]
 
 Decode attention is most of a steady decode step's GPU time (benchmarks/RESULTS.md's git
 history), so this times the choices the engine could make for it, in a CUDA graph as the
@@ -19,6 +20,12 @@ workload's steps as they come). TensorRT-LLM's XQA kernel
 (flashinfer.decode.xqa_batch_decode_with_kv_cache) is still in decode_call, out of
 VARIANTS. Earlier runs found no gain in the HND layout, in 32-token pages or in the FA3
 backend of the tensor-core path (1.5-1.9 TB/s; benchmarks/RESULTS.md's git history).
+
+--kv-cache-dtype fp8_e4m3 stores the pool in e4m3 (scales 1), as the engine's fp8 KV
+cache does: every variant reads half the bytes, and the figure counts those.
+--triton-sweep adds the Triton kernel at TRITON_SWEEP's launch settings (chunks per SM,
+tokens per loop step, pipeline stages) beside DecodeConfig.for_batch's: with one-byte K and
+V a loop step of the same tokens reads half as much, so the 16-bit choices need not hold.
 """
 
 from __future__ import annotations
@@ -85,6 +92,13 @@ VARIANTS = (
     # engine/kernels/decode_attention.py, the CUDA-graph decode's kernel (triton_call).
     ("triton", 64),
     ("triton", 16),
+)
+# "triton x<chunks per SM> n<tokens per loop step> s<pipeline stages>", on 64-token pages.
+TRITON_SWEEP = tuple(
+    (f"triton x{chunks} n{tokens} s{stages}", 64)
+    for chunks in (1, 2, 4)
+    for tokens in (64, 128, 256)
+    for stages in (2, 3, 4)
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
@@ -160,13 +174,15 @@ def decode_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, pag
         page_size,
         sm_scale=scale,
         q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
+        kv_data_type=cache.dtype,
         **SPLIT_OPTIONS.get(variant, {}),
     )
     return lambda: wrapper.run(q, cache, out=out)
 
 
-def time_shape(name: str, contexts: list[int], page_size: int, variants: list[str]) -> list[dict]:
+def time_shape(
+    name: str, contexts: list[int], page_size: int, variants: list[str], kv_dtype: torch.dtype
+) -> list[dict]:
     """Microseconds per call of one layer's decode over sequences of the given context
     lengths, replayed in a CUDA graph, per variant; each variant's output is compared with
     the first's."""
@@ -176,15 +192,15 @@ def time_shape(name: str, contexts: list[int], page_size: int, variants: list[st
     counts = [-(-n // page_size) for n in contexts]
     cache = torch.randn(
         sum(counts), 2, page_size, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
-    )
+    ).to(kv_dtype)
     # Pages shuffled over the pool, as a long-running engine's tables are.
     pages = list(torch.randperm(sum(counts), dtype=torch.int32, device="cuda").split(counts))
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    kv_bytes = sum(contexts) * 2 * NUM_KV_HEADS * HEAD_DIM * 2
+    kv_bytes = sum(contexts) * 2 * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
     rows, reference = [], None
     for variant in variants:
         row = dict(shape=name, batch=batch, context=round(sum(contexts) / batch), variant=variant)
-        row["page_size"] = page_size
+        row.update(page_size=page_size, kv_dtype=str(kv_dtype).removeprefix("torch."))
         out = torch.empty_like(q)
         try:
             call = decode_call(variant, q, cache, pages, contexts, page_size, out)
@@ -211,8 +227,16 @@ def main() -> None:
         "--workload-only", action="store_true", help="only the workload's own steps, as given"
     )
     p.add_argument("--variants", nargs="+", help="only these variants (by name)")
+    p.add_argument(
+        "--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16", help="the pool's"
+    )
+    p.add_argument(
+        "--triton-sweep", action="store_true", help="and the Triton kernel at TRITON_SWEEP"
+    )
     args = p.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
     chosen = [(v, size) for v, size in VARIANTS if not args.variants or v in args.variants]
+    chosen += TRITON_SWEEP if args.triton_sweep else ()
     shapes = {f"workload step {step}": workload_contexts(step) for step in WORKLOAD_STEPS}
     if not args.workload_only:
         shapes |= {f"{batch} x {context}": [context] * batch for batch, context in SHAPES}
@@ -227,7 +251,7 @@ def main() -> None:
     for name, contexts in shapes.items():
         for page_size in sorted({size for _, size in chosen}):
             variants = [variant for variant, size in chosen if size == page_size]
-            rows += time_shape(name, contexts, page_size, variants)
+            rows += time_shape(name, contexts, page_size, variants, kv_dtype)
     if args.json_out:
         args.json_out.write_text(json.dumps({**run_info(), "rows": rows}, indent=2) + "\n")
 

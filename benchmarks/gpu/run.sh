@@ -37,6 +37,8 @@
 #   token-masks         token_masks.py: mask fills on this host's CPU, unpacking on the GPU
 #   attention           gpu_attention.py: the decode attention kernels
 #   attention-workload  gpu_attention.py at the workload's own decode steps only
+#   attention-fp8       gpu_attention.py at the workload's steps on an fp8 pool, the Triton
+#                       kernel's launch settings swept
 #   moe                 gpu_moe.py: the fused MoE implementations at decode and prefill rows
 #   fp8-accuracy        fp8_accuracy.py on random weights in SmolLM2-135M's shape (.bench-tokenizer)
 #   fp8-linear          gpu_fp8_linear.py: fp8 projections, the skinny kernel vs torch._scaled_mm
@@ -91,6 +93,9 @@ for step in "$@"; do
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
+    attention-fp8) python3 benchmarks/gpu_attention.py --workload-only --kv-cache-dtype fp8_e4m3 \
+        --variants cuda-core tensor-core triton --triton-sweep --json-out "$OUT/gpu-attention-fp8.json" \
+        2>&1 | tee -a "$OUT/log.txt" ;;
     moe) python3 benchmarks/gpu_moe.py $MOE_ARGS --json-out "$OUT/gpu-moe.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     fp8-accuracy) python3 benchmarks/fp8_accuracy.py --device cuda --random-shape smollm2-135m \
         --tokenizer .bench-tokenizer --json-out "$OUT/gpu-fp8-accuracy-random-smollm2.json" 2>&1 \
