@@ -168,7 +168,8 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
         "quantization",
         "fp8: quantize the checkpoint's projections to fp8 as they load (per output row; "
-        "activations per token), CUDA of compute capability 8.9 or newer only; unset: the "
+        "activations per token, but for decode batches of 1-2 rows, which stay 16-bit), CUDA "
+        "of compute capability 8.9 or newer only; unset: the "
         "checkpoint's own weights (an fp8 checkpoint runs in fp8 where it can, dequantized "
         "elsewhere)",
         choices=QUANTIZATIONS,

@@ -90,55 +90,85 @@ def test_skinny_linear_equals_the_float32_product(
 
 
 @pytest.mark.parametrize("target", TRITON_TARGETS)
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("rows", ROWS)
-def test_skinny_fp8_linear_equals_the_float32_product_of_its_scaled_operands(
-    target: str, rows: int, out_dtype: torch.dtype
+def test_skinny_fp8_linear_equals_the_float32_product_with_the_scaled_weight(
+    target: str, rows: int, dtype: torch.dtype
 ) -> None:
-    """fp8 operands with their row scales: (x * x_scale) @ (W * w_scale)^T in float32,
-    rounded once, through both product forms, as torch._scaled_mm computes it."""
+    """A 16-bit x times an fp8 weight with its row scales: x @ (W * w_scale)^T in float32,
+    rounded once, through both product forms, with pick_config's one-byte K steps too."""
     from engine.kernels.fp8_linear import quantize_rows_torch
-    from engine.kernels.triton_linear import skinny_fp8_linear
+    from engine.kernels.triton_linear import pick_config, skinny_fp8_linear
 
     device = "cuda" if target == "cuda" else "cpu"
     for n, k, has_bias in SHAPES:
-        x, x_scale = quantize_rows_torch(torch.randn(rows, k, device=device))
+        x = torch.randn(rows, k, device=device).to(dtype)
         weight, w_scale = quantize_rows_torch(torch.randn(n, k, device=device) / k**0.5)
-        bias = torch.randn(n, dtype=out_dtype, device=device) if has_bias else None
-        expected = (x.float() * x_scale) @ (weight.float() * w_scale).T
+        bias = torch.randn(n, dtype=dtype, device=device) if has_bias else None
+        expected = x.float() @ (weight.float() * w_scale).T
         if bias is not None:
             expected += bias.float()
-        for config in configs(rows):
-            out = skinny_fp8_linear(x, x_scale, weight, w_scale.view(-1), bias, out_dtype, config)
-            assert out.shape == (rows, n) and out.dtype == out_dtype and out.is_contiguous()
+        for config in [*configs(rows), pick_config(rows, n, k, weight_bytes=1)]:
+            out = skinny_fp8_linear(x, weight, w_scale.view(-1), bias, config)
+            assert out.shape == (rows, n) and out.dtype == dtype and out.is_contiguous()
             assert_one_rounding_from(out, expected)
 
 
 @needs_triton
-def test_fp8_linear_takes_the_skinny_kernel_for_a_few_rows_only(
+def test_one_byte_weights_take_k_steps_of_the_same_bytes() -> None:
+    """pick_config's W tile (block_n x block_k elements) holds as many bytes for an fp8
+    weight as for a 16-bit one, in both product forms, until K itself is shorter."""
+    import triton
+
+    from engine.kernels.triton_linear import pick_config
+
+    for rows in (1, 2, 4, 16):
+        for n, k in ((4096, 4096), (4096, 14336), (6144, 4096), (1024, 1536)):
+            wide, narrow = pick_config(rows, n, k), pick_config(rows, n, k, weight_bytes=1)
+            assert narrow.use_dot == wide.use_dot and narrow.block_n == wide.block_n
+            assert narrow.block_k == min(2 * wide.block_k, triton.next_power_of_2(k))
+
+
+@needs_triton
+def test_fp8_linear_takes_the_skinny_kernel_for_a_few_16_bit_rows_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """fp8_linear on a device taken to run triton: the same quantized operands go to the
-    skinny kernel up to its SKINNY_MAX_ROWS, to torch._scaled_mm beyond."""
+    """fp8_linear on a device taken to run triton: up to SKINNY_MAX_ROWS rows of a 16-bit
+    x go to the skinny kernel as they are (nothing quantized); more rows, or a float32 x,
+    are quantized per token for torch._scaled_mm."""
     from engine.kernels import fp8_linear, triton_linear
 
-    calls = []
+    skinny, quantized = [], []
 
-    def recording_kernel(x, x_scale, weight, weight_scale, bias, out_dtype):
-        calls.append(x.shape[0])
-        return ((x.float() * x_scale) @ (weight.float() * weight_scale.view(-1, 1)).T).to(out_dtype)
+    def recording_kernel(x, weight, weight_scale, bias):
+        skinny.append((x.shape[0], x.dtype))
+        return (x.float() @ (weight.float() * weight_scale.view(-1, 1)).T).to(x.dtype)
+
+    def recording_quantize(x):
+        quantized.append(x.shape[0])
+        return fp8_linear.quantize_rows_torch(x)
 
     monkeypatch.setattr(fp8_linear, "use_triton", lambda x: True)
-    monkeypatch.setattr(fp8_linear, "quantize_rows", fp8_linear.quantize_rows_torch)
+    monkeypatch.setattr(fp8_linear, "quantize_rows", recording_quantize)
     monkeypatch.setattr(triton_linear, "skinny_fp8_linear", recording_kernel)
+    # torch._scaled_mm needs fp8 tensor cores: here a float32 product of the same operands.
+    monkeypatch.setattr(
+        torch,
+        "_scaled_mm",
+        lambda a, b, scale_a, scale_b, out_dtype: (
+            (a.float() * scale_a) @ (b.float() * scale_b)
+        ).to(out_dtype),
+    )
     weight, scale = fp8_linear.quantize_rows_torch(torch.randn(32, 64))
     limit = fp8_linear.SKINNY_MAX_ROWS
-    for rows in (1, limit, limit + 1, 64):
-        calls.clear()
-        x = torch.randn(rows, 64, dtype=torch.bfloat16)
-        out = fp8_linear.fp8_linear(x, weight, scale.view(-1))
-        assert out.shape == (rows, 32) and out.dtype == torch.bfloat16
-        assert calls == ([rows] if rows <= limit else [])
+    for rows, dtype in [(1, torch.bfloat16), (limit, torch.float16), (limit + 1, torch.bfloat16)]:
+        skinny.clear(), quantized.clear()
+        out = fp8_linear.fp8_linear(torch.randn(rows, 64, dtype=dtype), weight, scale.view(-1))
+        assert out.shape == (rows, 32) and out.dtype == dtype
+        assert (skinny, quantized) == (([(rows, dtype)], []) if rows <= limit else ([], [rows]))
+    skinny.clear(), quantized.clear()
+    fp8_linear.fp8_linear(torch.randn(1, 64), weight, scale.view(-1))
+    assert (skinny, quantized) == ([], [1])
 
 
 @needs_triton

@@ -4,9 +4,11 @@ x is quantized per token on the fly (each row's amax mapped to e4m3's largest va
 then torch._scaled_mm's rowwise recipe multiplies the two fp8 operands on the tensor cores
 and applies both scale vectors (scale_a [M, 1], scale_b [1, N], float32) in its epilogue.
 That recipe writes bfloat16 only, so a float16 model's output is cast once more. A decode
-batch of a few rows is a weight read, which the skinny-GEMM Triton kernel does faster from
-the same operands and scales (SKINNY_MAX_ROWS). Nothing reads a value back to the host,
-so a decode step with fp8 projections is captured in a CUDA graph like any other.
+batch of a few rows is a weight read, which the skinny-GEMM Triton kernel does faster
+(SKINNY_MAX_ROWS): it takes x as it is, 16-bit, and the fp8 weight with its scales, so
+those rows are not quantized (one kernel fewer, and x keeps its precision). Nothing reads a
+value back to the host, so a decode step with fp8 projections is captured in a CUDA graph
+like any other.
 
 `quantize_rows` is also how weights become fp8 on load (engine/model/fp8.py): a weight's
 output rows are a matrix's rows as a token's features are.
@@ -23,10 +25,10 @@ FP8_MAX = torch.finfo(FP8).max
 # An all-zero row gets this amax instead of 0: its scale stays finite, its values 0.
 _MIN_AMAX = 1e-12
 # Up to this many rows (decode batches) the product runs in the skinny-GEMM Triton kernel
-# (engine/kernels/triton_linear.py) on the same fp8 operands and scales, beyond in
-# torch._scaled_mm. Measured on the H100 (benchmarks/gpu_fp8_linear.py, RESULTS.md): a
-# Llama-3-8B layer's four projections take 107 vs 145 us at 1 row, 137 vs 144 at 2, and
-# 155 vs 142 at 4.
+# (engine/kernels/triton_linear.py), beyond in torch._scaled_mm. Measured on the H100
+# (benchmarks/gpu_fp8_linear.py, RESULTS.md) with x quantized for both: a Llama-3-8B
+# layer's four projections take 107 vs 145 us at 1 row, 137 vs 144 at 2, and 155 vs 142
+# at 4.
 SKINNY_MAX_ROWS = 2
 
 
@@ -57,13 +59,16 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (16-bit float) @ (weight [N, K] fp8 * weight_scale [N, 1])^T (+ bias [N]),
-    in x's dtype. N and K must be multiples of 16 (fp8_linear_fits)."""
-    x_fp8, x_scale = quantize_rows(x.contiguous())  # the fp8 GEMM takes row-major x only
-    if x.shape[0] <= SKINNY_MAX_ROWS and use_triton(x) and weight.is_contiguous():
+    """x [M, K] @ (weight [N, K] fp8 * weight_scale [N, 1])^T (+ bias [N]), in x's dtype
+    (a float32 x takes torch._scaled_mm at any row count). N and K must be multiples of 16
+    (fp8_linear_fits)."""
+    x = x.contiguous()  # both GEMMs take row-major x only
+    skinny = x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    if skinny and use_triton(x) and weight.is_contiguous():
         from engine.kernels import triton_linear
 
-        return triton_linear.skinny_fp8_linear(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
+        return triton_linear.skinny_fp8_linear(x, weight, weight_scale, bias)
+    x_fp8, x_scale = quantize_rows(x)
     out = torch._scaled_mm(
         x_fp8,
         weight.t(),  # column-major, as the fp8 GEMM wants its second operand

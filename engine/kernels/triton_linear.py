@@ -25,11 +25,12 @@ autotuner would benchmark inside a CUDA-graph capture). The launcher never reads
 captured; the row count is not specialized on (do_not_specialize), so a new batch size
 only compiles again when it changes the power-of-two row block.
 
-`skinny_fp8_linear` runs the same kernel on fp8 (e4m3) x and W with a float32 scale per
-row of each (engine/kernels/fp8_linear.py quantizes x per token): both product forms take
-the fp8 values as they are, and the two scales multiply each float32 sum before the bias
-and the one rounding, as torch._scaled_mm's rowwise recipe does. Its launch configuration
-is pick_config's, chosen for 16-bit weights.
+`skinny_fp8_linear` runs the same kernel on an fp8 (e4m3) W with a float32 scale per
+output row, and x as it is (16-bit): a decode batch's x is kilobytes, so quantizing it
+would save no bytes and cost a kernel. Each W tile is widened to x's dtype (exact: every
+e4m3 value is a bfloat16 and a float16), and the scale multiplies each float32 sum before
+the bias and the one rounding. pick_config keeps a program's bytes of W the same for
+one-byte weights as for two-byte ones: its K steps are twice as long.
 
 TRITON_INTERPRET=1 runs this kernel on CPU tensors (tests/test_triton_linear.py does).
 """
@@ -55,8 +56,9 @@ class SkinnyConfig:
     num_stages: int
 
 
-def pick_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """The launch configuration for an x of `rows` rows and a W of [n, k].
+def pick_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> SkinnyConfig:
+    """The launch configuration for an x of `rows` rows and a W of [n, k], weight_bytes
+    bytes an element (1: fp8).
 
     A program's W tile is its bytes in flight: with BLOCK_K = 1024 the 256 programs of an
     N = 1024 weight (all resident at once) have 2 MB in flight on CUDA cores, about the
@@ -64,11 +66,12 @@ def pick_config(rows: int, n: int, k: int) -> SkinnyConfig:
     A first rule, reasoned rather than measured: benchmarks/gpu_kernels.py --linear-sweep
     prints the best candidate per shape and row count beside this rule's pick.
     """
-    block_k = min(triton.next_power_of_2(k), 1024)
+    widen = 2 // weight_bytes  # K elements per 16-bit one's bytes
+    block_k = min(triton.next_power_of_2(k), 1024 * widen)
     if rows <= CUDA_CORE_MAX_ROWS:
         return SkinnyConfig(use_dot=False, block_n=4, block_k=block_k, num_warps=4, num_stages=2)
     return SkinnyConfig(
-        use_dot=True, block_n=16, block_k=min(block_k, 256), num_warps=4, num_stages=4
+        use_dot=True, block_n=16, block_k=min(block_k, 256 * widen), num_warps=4, num_stages=4
     )
 
 
@@ -78,13 +81,12 @@ def _skinny_linear_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
-    x_scale_ptr,
     w_scale_ptr,
     num_rows,
     n,
     k,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -107,7 +109,7 @@ def _skinny_linear_kernel(
         )
         if USE_DOT:
             x = tl.load(x_tile + k0, mask=k_ok, other=0.0)  # [BLOCK_M, BLOCK_K]
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         else:
             w32 = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
@@ -119,9 +121,8 @@ def _skinny_linear_kernel(
                 )
                 part = tl.sum(w32 * x_m.to(tl.float32), axis=1)  # [BLOCK_N]
                 acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
-    if HAS_SCALES:  # fp8 operands: x's scale per row, W's per output column
-        x_scale = tl.load(x_scale_ptr + tl.minimum(rows, num_rows - 1))
-        acc *= x_scale[:, None] * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_W_SCALE:  # an fp8 W: its scale per output column
+        acc *= tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * n + cols[None, :]
@@ -141,52 +142,46 @@ def skinny_linear(
     x and weight must be contiguous and of one 16-bit float dtype (bias too); `config`
     overrides pick_config (the benchmark's sweep passes candidates).
     """
-    assert x.dtype in (torch.bfloat16, torch.float16), "16-bit float inputs only"
     assert weight.dtype == x.dtype, "x and weight must share a dtype"
-    return _launch(x, weight, bias, None, None, x.dtype, config)
+    return _launch(x, weight, bias, None, config)
 
 
 def skinny_fp8_linear(
     x: torch.Tensor,
-    x_scale: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """(x [M, K] * x_scale [M, 1]) @ (weight [N, K] * weight_scale [N, 1])^T (+ bias [N])
-    -> [M, N] in out_dtype: the product torch._scaled_mm's rowwise recipe computes, from
-    the same fp8 operands and float32 scales (engine/kernels/fp8_linear.py), the scales
-    applied to the float32 sums before the one rounding."""
-    assert x.dtype == weight.dtype == torch.float8_e4m3fn, "fp8 (e4m3fn) operands only"
-    assert x_scale.numel() == x.shape[0] and weight_scale.numel() == weight.shape[0]
-    assert x_scale.dtype == weight_scale.dtype == torch.float32, "float32 scales"
-    return _launch(x, weight, bias, x_scale, weight_scale, out_dtype, config)
+    """x [M, K] @ (weight [N, K] * weight_scale [N])^T (+ bias [N]) -> [M, N] in x's
+    dtype, for an fp8 weight with a float32 scale per output row (engine/kernels/
+    fp8_linear.py), the scale applied to the float32 sums before the one rounding."""
+    assert weight.dtype == torch.float8_e4m3fn, "an fp8 (e4m3fn) weight only"
+    assert weight_scale.numel() == weight.shape[0] and weight_scale.dtype == torch.float32
+    return _launch(x, weight, bias, weight_scale, config)
 
 
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    x_scale: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
-    out_dtype: torch.dtype,
     config: SkinnyConfig | None,
 ) -> torch.Tensor:
-    """The checks both products share (shapes, layout, the bias in the output's dtype), then
-    the kernel into a fresh [M, N] of out_dtype."""
+    """The checks both weights share (x 16-bit, shapes, layout, the bias in x's dtype),
+    then the kernel into a fresh [M, N] of x's dtype."""
+    assert x.dtype in (torch.bfloat16, torch.float16), "16-bit float inputs only"
     assert x.dim() == 2 and weight.dim() == 2, "x is [M, K], weight [N, K]"
     assert x.is_contiguous() and weight.is_contiguous(), "x and weight must be contiguous"
     num_rows, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x is [{num_rows}, {k}] but weight is {list(weight.shape)}"
     if bias is not None:
-        assert bias.shape == (n,) and bias.dtype == out_dtype and bias.is_contiguous()
-    out = torch.empty(num_rows, n, dtype=out_dtype, device=x.device)
+        assert bias.shape == (n,) and bias.dtype == x.dtype and bias.is_contiguous()
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    config = config or pick_config(num_rows, n, k)
+    config = config or pick_config(num_rows, n, k, weight.element_size())
     block_m = triton.next_power_of_2(num_rows)
     if config.use_dot:
         block_m = max(block_m, 16)  # the mma's rows; padding rows are never stored
@@ -195,13 +190,12 @@ def _launch(
         weight,
         bias,
         out,
-        x_scale,
         weight_scale,
         num_rows,
         n,
         k,
         HAS_BIAS=bias is not None,
-        HAS_SCALES=x_scale is not None,
+        HAS_W_SCALE=weight_scale is not None,
         USE_DOT=config.use_dot,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
