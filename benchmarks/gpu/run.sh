@@ -88,7 +88,9 @@ status=0
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    tests) python3 -m pytest -q -s -m gpu $TESTS_FILES $TESTS_ARGS \
+    # -v: each test's outcome on its own line as it ends, so a run stopped by a time limit
+    # still says which tests passed.
+    tests) python3 -m pytest -v -s -m gpu --durations=20 $TESTS_FILES $TESTS_ARGS \
         -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
@@ -172,7 +174,7 @@ write_random_model(SHAPES['qwen3-0.6b'], Path('$model'))" &&
         --json-out "$OUT/gpu-profile-llama-3-8b-fp8.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     profile-moe) python3 benchmarks/gpu_profile.py --shape qwen3-30b-a3b --gpu-memory-utilization 0.95 \
         --json-out "$OUT/gpu-profile-qwen3-30b-a3b.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    tests-tp) python3 -m pytest -q -s -m gpu tests/test_gpu_tensor_parallel.py $TESTS_ARGS \
+    tests-tp) python3 -m pytest -v -s -m gpu --durations=20 tests/test_gpu_tensor_parallel.py $TESTS_ARGS \
         -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
     bench-tp) gpus=$(nvidia-smi --list-gpus | wc -l) failed=0
       for run in llama-3-8b:1 llama-3-8b:2 llama-3-8b:4 qwen3-32b:2 qwen3-32b:4 \
