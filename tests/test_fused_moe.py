@@ -74,14 +74,37 @@ def test_group_by_expert_sorts_pairs_stably_and_counts_empty_experts():
     assert g.ends.tolist() == [3, 4, 4, 6, 6] and g.ends.dtype == torch.int32
 
 
+def padded_rows(ids: torch.Tensor, num_experts: int, block_m: int):
+    """What triton_moe.align_rows lays out, in torch: the pairs stably sorted by expert,
+    each expert's rows padded to block_m (padding rows hold T*k), the rows padded to
+    fused_moe.padded_size, and each block's expert (E past the last expert's rows)."""
+    num_pairs = ids.numel()
+    g = fused_moe.group_by_expert(ids, num_experts)
+    size = fused_moe.padded_size(num_pairs, num_experts, block_m)
+    padded_counts = (g.counts + block_m - 1) // block_m * block_m
+    padded_ends = padded_counts.cumsum(0)
+    # Sorted row i of expert e moves from ends[e] - counts[e] + i to padded start[e] + i.
+    shift = (padded_ends - padded_counts) - (g.ends.long() - g.counts)
+    sorted_experts = ids.reshape(-1)[g.order].long()
+    rows = torch.arange(num_pairs) + shift[sorted_experts]
+    pair_of_row = torch.full((size,), num_pairs, dtype=torch.int64)
+    pair_of_row[rows] = g.order
+    block_expert = torch.searchsorted(padded_ends, torch.arange(0, size, block_m), right=True)
+    return pair_of_row.to(torch.int32), block_expert.to(torch.int32)
+
+
+# (tokens, experts, top-k) beside SHAPES': several chunks of the alignment kernels' pairs
+# (300 and 2,048 pairs), more experts than a power of two, and than pairs.
+ALIGN_SHAPES = [(1, 4, 2), (7, 6, 2), (9, 16, 3), (100, 6, 3), (256, 128, 8), (3, 130, 2)]
+
+
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_padded_rows_hold_every_pair_once_in_blocks_of_one_expert(shape, block_m):
     tokens, _, _, num_experts, top_k = shape
     _, ids = random_routing(tokens, num_experts, top_k, torch.float32)
     num_pairs = ids.numel()
-    g = fused_moe.group_by_expert(ids, num_experts)
-    pair_of_row, block_expert = fused_moe.pad_groups(g, ids, block_m)
+    pair_of_row, block_expert = padded_rows(ids, num_experts, block_m)
     assert pair_of_row.numel() == fused_moe.padded_size(num_pairs, num_experts, block_m)
     assert block_expert.numel() * block_m == pair_of_row.numel()
     real = pair_of_row[pair_of_row < num_pairs]
@@ -182,6 +205,21 @@ def test_triton_experts_equal_the_reference_interpreter(shape, dtype, tiles):
     )
     assert got.shape == x.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+@pytest.mark.parametrize("shape", ALIGN_SHAPES)
+def test_align_rows_lays_out_what_the_stable_sort_and_padding_do_interpreter(shape, block_m):
+    from engine.kernels import triton_moe
+
+    tokens, num_experts, top_k = shape
+    _, ids = random_routing(tokens, num_experts, top_k, torch.float32)
+    size = fused_moe.padded_size(ids.numel(), num_experts, block_m)
+    got = triton_moe.align_rows(ids, num_experts, block_m, size)
+    want = padded_rows(ids, num_experts, block_m)
+    for got_part, want_part in zip(got, want, strict=True):
+        assert got_part.dtype == torch.int32 and torch.equal(got_part, want_part)
 
 
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")

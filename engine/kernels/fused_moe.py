@@ -1,18 +1,19 @@
 """The experts of a sparse layer as one grouped computation on the GPU.
 
 The router gives each token k (weight, expert) pairs; the T*k (token, slot) pairs are
-sorted by expert on the device (`group_by_expert`: a stable sort, counts by scatter_add_,
-no host sync, every size fixed by T and k), so each expert's rows are contiguous and one
-grouped GEMM runs every expert at once. Two implementations of the two GEMMs:
+laid out by expert on the device (no host sync, every size fixed by T and k), so each
+expert's rows are contiguous and one grouped GEMM runs every expert at once. Two
+implementations of the two GEMMs:
 
 - `triton_experts`: our Triton kernel. Each expert's rows are padded to the kernel's
-  BLOCK_M (`pad_groups`), so every program's BLOCK_M rows belong to one expert and it reads
-  that expert's weight tile only; padding rows are marked invalid and never loaded or
-  stored. The worst-case padded size, T*k + min(E, T*k) * (BLOCK_M - 1) rounded down to a
-  multiple of BLOCK_M, is fixed by T, so the grid is too; programs past the last expert's
-  rows return at once. The first GEMM gathers the token rows itself (row = pair // k),
-  the second multiplies each output row by its router weight.
-- `grouped_mm_experts`: torch._grouped_mm over the gathered rows with the per-expert
+  BLOCK_M (engine/kernels/triton_moe.py's `align_rows`, three small kernels), so every
+  program's BLOCK_M rows belong to one expert and it reads that expert's weight tile only;
+  padding rows are marked invalid and never loaded or stored. The worst-case padded size
+  (`padded_size`) is fixed by T, so the grid is too; programs past the last expert's rows
+  return at once. The first GEMM gathers the token rows itself (row = pair // k), the
+  second multiplies each output row by its router weight.
+- `grouped_mm_experts`: torch._grouped_mm over the rows sorted by expert
+  (`group_by_expert`: a stable sort, counts by scatter_add_) with the per-expert
   cumulative row counts as offsets (torch >= 2.8; on CUDA it needs sm90 and bf16, and
   strides that are multiples of 16 bytes: `grouped_mm_fits`).
 
@@ -79,27 +80,6 @@ def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     at most block_m - 1 each, and the padded total is a multiple of block_m."""
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return bound // block_m * block_m
-
-
-def pad_groups(
-    grouping: Grouping, experts: torch.Tensor, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair index of every padded row [P], T*k for padding; expert of every block of
-    block_m rows [P / block_m], E past the last expert's rows), P = padded_size(...)."""
-    num_pairs, num_experts = experts.numel(), grouping.counts.numel()
-    device = experts.device
-    size = padded_size(num_pairs, num_experts, block_m)
-    padded_counts = (grouping.counts + block_m - 1) // block_m * block_m
-    padded_ends = padded_counts.cumsum(0)
-    # Sorted row r of expert e moves from ends[e] - counts[e] + i to padded_start[e] + i.
-    shift = (padded_ends - padded_counts) - (grouping.ends.long() - grouping.counts)
-    sorted_experts = experts.reshape(-1)[grouping.order].long()
-    rows = torch.arange(num_pairs, device=device) + shift[sorted_experts]
-    pair_of_row = torch.full((size,), num_pairs, dtype=torch.int64, device=device)
-    pair_of_row[rows] = grouping.order
-    block_starts = torch.arange(0, size, block_m, device=device)
-    block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
-    return pair_of_row.to(torch.int32), block_expert.to(torch.int32)
 
 
 def combine(
@@ -174,8 +154,8 @@ def triton_experts(
     num_experts = gate_up.shape[0]
     num_pairs = num_tokens * top_k
     tiles = tiles or pick_tiles(num_pairs, num_experts)
-    g = group_by_expert(experts, num_experts)
-    pair_of_row, block_expert = pad_groups(g, experts, tiles.block_m)
+    size = padded_size(num_pairs, num_experts, tiles.block_m)
+    pair_of_row, block_expert = triton_moe.align_rows(experts, num_experts, tiles.block_m, size)
     launch = dataclasses.asdict(tiles)
     hidden = triton_moe.grouped_gemm(x, gate_up, pair_of_row, block_expert, top_k, None, **launch)
     route = weights.reshape(-1)

@@ -1,6 +1,20 @@
-"""The grouped GEMM of engine/kernels/fused_moe.py: out[pair] = A[pair // a_div] @ W[e]^T.
+"""The Triton kernels of engine/kernels/fused_moe.py: the rows' layout, then the grouped
+GEMM out[pair] = A[pair // a_div] @ W[e]^T.
 
-Rows arrive sorted by expert and padded per expert to BLOCK_M (fused_moe.pad_groups), so
+`align_rows` lays the T*k (token, slot) pairs out by expert, each expert's rows padded to
+BLOCK_M, in three launches where torch would take a sort and a score of small kernels (at
+decode, where every layer does this, the launches cost more than the work):
+- `_expert_counts_kernel`: each chunk of CHUNK pairs counts its pairs per expert;
+- their running sums over the chunks (torch.cumsum): all chunks' give each expert's
+  padded start, the chunks' before a program's where its pairs go within an expert;
+- `_align_kernel`: each program places its chunk's pairs (in pair order within an
+  expert: after a pair's chunk's earlier pairs of the same expert), marks its chunk of
+  rows that no pair takes as padding, and gives each block of BLOCK_M rows its expert (E
+  past the last expert's rows).
+Each row is written once, by one program; the result is what a stable sort by expert and
+the padding give (tests/test_fused_moe.py holds that torch statement).
+
+The grouped GEMM: rows arrive sorted by expert and padded per expert to BLOCK_M, so
 a program owns BLOCK_M rows of one expert and BLOCK_N output columns: it reads that
 expert's [BLOCK_N, K] weight tile in BLOCK_K steps and multiplies it into every valid row
 with tl.dot, accumulating in float32. Padding rows (pair index == num_pairs) are masked
@@ -9,8 +23,8 @@ returns at once, so the grid can be the worst case, fixed by T. Output rows are 
 in pair order (token * k + slot), each exactly once. With a route, each row is multiplied
 by its router weight in float32 before the one rounding to the output dtype.
 
-The launcher never reads tensor values on the host, so it can be captured in a CUDA
-graph; row counts are not specialized on. TRITON_INTERPRET=1 runs it on CPU tensors
+The launchers never read tensor values on the host, so they can be captured in a CUDA
+graph; pair counts are not specialized on. TRITON_INTERPRET=1 runs them on CPU tensors
 (tests/test_fused_moe.py does).
 """
 
@@ -19,6 +33,114 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Pairs (and rows) a program of the alignment kernels takes at once.
+ALIGN_CHUNK = 128
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_counts_kernel(
+    experts_ptr, counts_ptr, num_pairs, num_experts, E_PAD: tl.constexpr, CHUNK: tl.constexpr
+):
+    # counts[chunk, e]: the pairs of this chunk that chose expert e.
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(experts_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    lanes = tl.arange(0, E_PAD)
+    counts = tl.sum((ids[:, None] == lanes[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + chunk * num_experts + lanes, counts, mask=lanes < num_experts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "num_rows"])
+def _align_kernel(
+    experts_ptr,
+    counts_ptr,
+    running_ptr,  # [chunks, E]: counts summed over the chunks up to and including each
+    pair_of_row_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    num_chunks,
+    num_rows,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, E_PAD)
+    is_expert = lanes < num_experts
+    counts = tl.load(running_ptr + (num_chunks - 1) * num_experts + lanes, mask=is_expert, other=0)
+    # A program past the pairs has only rows to mark: it reads no chunk's counts.
+    own = lanes < tl.where(pid < num_chunks, num_experts, 0)
+    before = tl.load(running_ptr + pid * num_experts + lanes, mask=own, other=0) - tl.load(
+        counts_ptr + pid * num_experts + lanes, mask=own, other=0
+    )
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+
+    # This program's chunk of pairs, each to its expert's start, after the pairs of that
+    # expert in earlier chunks, and after those of its own chunk with a smaller index.
+    offs = tl.arange(0, CHUNK)
+    pairs = pid * CHUNK + offs
+    ids = tl.load(experts_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    chose = ids[:, None] == lanes[None, :]  # [CHUNK, E_PAD]
+    first_free = tl.sum(tl.where(chose, (starts + before)[None, :], 0), axis=1)
+    same_before = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    tl.store(pair_of_row_ptr + first_free + rank, pairs, mask=pairs < num_pairs)
+
+    # This program's chunk of rows: those past their expert's pairs are padding; each
+    # block's expert is the number of experts whose padded rows end at or before it.
+    rows = pid * CHUNK + offs
+    ended = (ends[None, :] <= rows[:, None]) & is_expert[None, :]
+    expert = tl.sum(ended.to(tl.int32), axis=1)
+    at = expert[:, None] == lanes[None, :]
+    taken = tl.sum(tl.where(at, (starts + counts)[None, :], 0), axis=1)
+    padding = (rows >= taken) | (expert >= num_experts)
+    tl.store(pair_of_row_ptr + rows, num_pairs, mask=padding & (rows < num_rows))
+    blocks = pid * (CHUNK // BLOCK_M) + tl.arange(0, CHUNK // BLOCK_M)
+    block_ended = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & is_expert[None, :]
+    block_expert = tl.sum(block_ended.to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, block_expert, mask=blocks * BLOCK_M < num_rows)
+
+
+def align_rows(
+    experts: torch.Tensor, num_experts: int, block_m: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair index of each of num_rows rows [num_rows], num_pairs for padding; expert of
+    each block of block_m rows [num_rows / block_m], num_experts past the last expert's
+    rows) for the router's choice `experts` [T, k]. num_rows: fused_moe.padded_size."""
+    assert experts.is_contiguous() and ALIGN_CHUNK % block_m == 0 and num_rows % block_m == 0
+    num_pairs = experts.numel()
+    device = experts.device
+    pair_of_row = torch.empty(num_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_rows // block_m, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return pair_of_row, block_expert
+    num_chunks = triton.cdiv(num_pairs, ALIGN_CHUNK)
+    counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _expert_counts_kernel[(num_chunks,)](
+        experts, counts, num_pairs, num_experts, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, num_warps=8
+    )
+    grid = (max(num_chunks, triton.cdiv(num_rows, ALIGN_CHUNK)),)
+    _align_kernel[grid](
+        experts,
+        counts,
+        counts.cumsum(0, dtype=torch.int32),
+        pair_of_row,
+        block_expert,
+        num_pairs,
+        num_experts,
+        num_chunks,
+        num_rows,
+        BLOCK_M=block_m,
+        E_PAD=e_pad,
+        CHUNK=ALIGN_CHUNK,
+        num_warps=8,  # [CHUNK, E_PAD] comparisons: fewer of them a thread
+    )
+    return pair_of_row, block_expert
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -83,7 +205,7 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """[num_pairs, N] in a's dtype: row p = a[p // a_div] @ weight[expert of p]^T (times
     route[p]). a [rows, K] and weight [E, N, K] contiguous; pair_of_row and block_expert
-    from fused_moe.pad_groups with block_m; the block sizes are a fused_moe.MoeTiles."""
+    from align_rows with block_m; the block sizes are a fused_moe.MoeTiles."""
     assert a.is_contiguous() and weight.is_contiguous(), "a and weight must be contiguous"
     assert a.dtype == weight.dtype, "a and weight must share a dtype"
     num_experts, n, k = weight.shape
