@@ -87,10 +87,11 @@ def combine(
 ) -> torch.Tensor:
     """[T*k, H] expert outputs in pair order -> [T, H]: each token's k (times `weights`
     [T, k] where not yet weighted) summed in float32, in slot order, rounded once."""
-    per_token = pair_out.view(num_tokens, -1, pair_out.shape[-1]).float()
+    per_token = pair_out.view(num_tokens, -1, pair_out.shape[-1])
     if weights is not None:
-        per_token = per_token * weights.float().unsqueeze(-1)
-    return per_token.sum(1).to(dtype)
+        per_token = per_token.float() * weights.float().unsqueeze(-1)
+    # Summed in float32 as read: no float32 copy of the k outputs first.
+    return per_token.sum(1, dtype=torch.float32).to(dtype)
 
 
 # ---- torch._grouped_mm ---------------------------------------------------------------
