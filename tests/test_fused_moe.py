@@ -222,6 +222,66 @@ def test_align_rows_lays_out_what_the_stable_sort_and_padding_do_interpreter(sha
         assert got_part.dtype == torch.int32 and torch.equal(got_part, want_part)
 
 
+def torch_top_k_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The router's torch path, but among equal logits (frequent in bf16) the lowest expert
+    first, as a stable sort puts them: torch.topk leaves their order open."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    order = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices
+    ids = order[:, :top_k]
+    weights = probs.gather(-1, ids)
+    return (weights / weights.sum(-1, keepdim=True) if renormalize else weights), ids
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 4, 1), (5, 6, 2), (9, 130, 8)])
+def test_top_k_softmax_is_the_routers_softmax_and_top_k_interpreter(
+    tokens, num_experts, top_k, dtype, renormalize
+):
+    """The kernel against torch's softmax in float32, top-k and renormalisation: the same
+    experts, largest first, and their weights; a router's logits as a strided view too."""
+    from engine.kernels import triton_moe
+
+    logits = torch.randn(tokens, num_experts + 3).to(dtype)[:, :num_experts]
+    weights, ids = triton_moe.top_k_softmax(logits, top_k, renormalize)
+    want_weights, want_ids = torch_top_k_softmax(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
+def test_top_k_softmax_takes_the_lowest_expert_among_equals_interpreter():
+    from engine.kernels import triton_moe
+
+    logits = torch.tensor([[1.0, 3.0, 0.5, 3.0, 3.0]])
+    weights, ids = triton_moe.top_k_softmax(logits, 2, renormalize=True)
+    assert ids.tolist() == [[1, 3]]
+    assert weights.tolist() == [[0.5, 0.5]]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
+def test_the_router_takes_the_kernel_where_triton_runs_interpreter(monkeypatch):
+    """Router.forward as on CUDA (the kernel) and as on the CPU (torch): the same choice,
+    its weights in the model's dtype or float32 as the config says."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hidden_size=32)
+    moe_config = SimpleNamespace(
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, float32_weights=False
+    )
+    router = moe.Router(config, moe_config).to(torch.bfloat16).requires_grad_(False)
+    router.weight.normal_()
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    want_weights, want_ids = router(x)
+    monkeypatch.setattr(moe, "use_triton", lambda tensor: True)
+    got_weights, got_ids = router(x)
+    assert torch.equal(got_ids.long(), want_ids)
+    assert got_weights.dtype == want_weights.dtype == torch.bfloat16
+    torch.testing.assert_close(got_weights, want_weights)
+
+
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_fused_moe_in_the_interpreter() -> None:

@@ -1,5 +1,9 @@
-"""The Triton kernels of engine/kernels/fused_moe.py: the rows' layout, then the grouped
-GEMM out[pair] = A[pair // a_div] @ W[e]^T.
+"""The Triton kernels of a sparse layer on CUDA: the router's top-k softmax, the rows'
+layout by expert, then the grouped GEMM out[pair] = A[pair // a_div] @ W[e]^T
+(engine/kernels/fused_moe.py).
+
+`top_k_softmax` takes the router's logits to each token's k (weight, expert) pairs in one
+kernel, where torch takes a softmax, a top-k, a sum, a division and a cast.
 
 `align_rows` lays the T*k (token, slot) pairs out by expert, each expert's rows padded to
 BLOCK_M, in three launches where torch would take a sort and a score of small kernels (at
@@ -33,6 +37,70 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _top_k_softmax_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    # One token: the softmax of its router logits in float32, and its K largest, largest
+    # first (the lowest expert id among equal logits), chosen on the logits themselves.
+    token = tl.program_id(0)
+    lanes = tl.arange(0, E_PAD)
+    is_expert = lanes < num_experts
+    logits = tl.load(logits_ptr + token * stride + lanes, mask=is_expert, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    top = tl.max(logits, 0)
+    denom = tl.sum(tl.where(is_expert, tl.exp(logits - top), 0.0), 0)
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    left = logits
+    for slot in tl.static_range(K):
+        best = tl.max(left, 0)
+        chosen = tl.min(tl.where(left == best, lanes, E_PAD), 0)
+        weights = tl.where(slots == slot, tl.exp(best - top) / denom, weights)
+        ids = tl.where(slots == slot, chosen, ids)
+        left = tl.where(lanes == chosen, float("-inf"), left)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + token * K + slots, weights, mask=slots < K)
+    tl.store(ids_ptr + token * K + slots, ids, mask=slots < K)
+
+
+def top_k_softmax(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice from its logits [T, E] in one kernel: (float32 weights [T, k],
+    int32 expert ids [T, k]), the k largest of the float32 softmax, largest first,
+    divided by their sum where `renormalize`."""
+    num_tokens, num_experts = logits.shape
+    assert logits.stride(1) == 1 and top_k <= num_experts
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    _top_k_softmax_kernel[(num_tokens,)](
+        logits,
+        weights,
+        ids,
+        num_experts,
+        logits.stride(0),
+        K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize,
+    )
+    return weights, ids
+
 
 # Pairs (and rows) a program of the alignment kernels takes at once.
 ALIGN_CHUNK = 128

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.kernels import silu_and_mul
-from engine.kernels.dispatch import triton_importable
+from engine.kernels.dispatch import triton_importable, use_triton
 from engine.kernels.fused_moe import grouped_mm_experts, grouped_mm_fits, triton_experts
 from engine.model.config import ModelConfig
 from engine.model.llama import MLP, linear
@@ -67,11 +67,18 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]): softmax in float32 first, as transformers
-        does, so that the top-k choice does not depend on the dtype's rounding."""
-        probs = torch.softmax(linear(x, self.weight), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        does, so that the top-k choice does not depend on the dtype's rounding. On CUDA
+        one Triton kernel after the logits' GEMM (engine/kernels/triton_moe.py)."""
+        logits = linear(x, self.weight)
+        if use_triton(logits):
+            from engine.kernels import triton_moe
+
+            weights, experts = triton_moe.top_k_softmax(logits, self.top_k, self.norm_topk_prob)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
 
