@@ -51,6 +51,7 @@ from benchmarks.workload import make_workload, run_info  # noqa: E402
 GROUPS = (
     ("attention", ("decode_chunk", "merge_chunks", "prefill", "decode", "attention", "flash")),
     ("experts (MoE)", ("grouped_gemm", "grouped_mm")),
+    ("routing and row layout (MoE)", ("top_k_softmax", "align_kernel", "expert_counts")),
     ("activation quantization (fp8)", ("quantize",)),
     ("projections (GEMM)", ("gemm", "xmma", "nvjet", "cutlass", "skinny", "matmul", "sm90")),
     ("norms, rotary + KV write, SiLU", ("rms_norm", "rotary", "silu")),
