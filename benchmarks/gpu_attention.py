@@ -24,8 +24,10 @@ backend of the tensor-core path (1.5-1.9 TB/s; benchmarks/RESULTS.md's git histo
 --kv-cache-dtype fp8_e4m3 stores the pool in e4m3 (scales 1), as the engine's fp8 KV
 cache does: every variant reads half the bytes, and the figure counts those.
 --triton-sweep adds the Triton kernel at TRITON_SWEEP's launch settings (chunks per SM,
-tokens per loop step, pipeline stages) beside DecodeConfig.for_batch's: with one-byte K and
-V a loop step of the same tokens reads half as much, so the 16-bit choices need not hold.
+tokens per loop step, pipeline stages) beside DecodeConfig.for_batch's, each also on a
+float16 q: with one-byte K and V a loop step of the same tokens reads half as much, and
+widening e4m3 to bfloat16 takes more instructions than to float16, so the 16-bit choices
+need not hold.
 """
 
 from __future__ import annotations
@@ -95,10 +97,11 @@ VARIANTS = (
 )
 # "triton x<chunks per SM> n<tokens per loop step> s<pipeline stages>", on 64-token pages.
 TRITON_SWEEP = tuple(
-    (f"triton x{chunks} n{tokens} s{stages}", 64)
-    for chunks in (1, 2, 4)
+    (f"triton x{chunks} n{tokens} s{stages}{widen}", 64)
+    for chunks in (1, 2)
     for tokens in (64, 128, 256)
     for stages in (2, 3, 4)
+    for widen in ("", " fp16")
 )
 SPLIT_OPTIONS = {  # variant -> extra plan() arguments
     "tensor-core, no split": {"disable_split_kv": True},
@@ -109,14 +112,18 @@ SPLIT_OPTIONS = {  # variant -> extra plan() arguments
 
 def triton_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, out):
     """engine/kernels/decode_attention.py as the engine configures it ("triton"), or with
-    "triton x<chunks per SM> n<tokens per loop step> s<pipeline stages>"."""
+    "triton x<chunks per SM> n<tokens per loop step> s<pipeline stages>". A last word
+    "fp16" runs it on a float16 q (copied back into out, a microsecond), so that an fp8
+    pool's tiles widen to float16, one conversion instruction a pair, not to bfloat16."""
     from engine.kernels.decode_attention import (
         DecodeConfig,
         DecodeWorkspace,
         paged_decode_attention,
     )
 
-    options = {word[0]: int(word[1:]) for word in variant.split()[1:]}
+    words = variant.split()[1:]
+    half = words[-1:] == ["fp16"]
+    options = {word[0]: int(word[1:]) for word in words[: len(words) - half]}
     config = DecodeConfig(options["x"], options["n"], options["s"]) if options else None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     work = DecodeWorkspace(len(contexts), NUM_HEADS, HEAD_DIM, sms, "cuda", config)
@@ -126,6 +133,11 @@ def triton_call(variant: str, q, cache, pages: list[torch.Tensor], contexts, out
     work.plan.copy_(torch.from_numpy(work.host_plan(lens, indptr)))
     indices = torch.cat(pages)
     print(f"{variant}: {work.config}, chunk {work.split[1].item()}, {work.split[0].item()} items")
+    if half:
+        q16, out16 = q.half(), torch.empty_like(q, dtype=torch.float16)
+        return lambda: out.copy_(
+            paged_decode_attention(q16, cache, indices, work, HEAD_DIM**-0.5, out=out16)
+        )
     return lambda: paged_decode_attention(q, cache, indices, work, HEAD_DIM**-0.5, out=out)
 
 
