@@ -100,7 +100,7 @@ def profile_steps(engine, name: str, steps: int) -> Window:
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])  # us, calls
     for event in profiled.events():
         if event.device_type == DeviceType.CUDA:
-            totals[event.name][0] += event.device_time_total
+            totals[event.name][0] += event.time_range.elapsed_us()
             totals[event.name][1] += 1
     per_step = max(done, 1)
     kernels = [
