@@ -367,6 +367,12 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
     from engine.sampling_params import SamplingParams
 
     llm = start_engine(args, model_dir)
+    blocks = llm.engine.block_manager
+    tokens_at_once = sum(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
+    print(
+        f"KV pool: {blocks.num_blocks * blocks.block_size:,} tokens; the workload's "
+        f"sequences at once: {tokens_at_once:,}"
+    )
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
     ]
@@ -401,6 +407,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
 def run_workload(llm, work: Workload, params: list, shift: int, label: str) -> dict:
     """One run of the workload, every prompt token id plus `shift`, and its timing."""
     prompts = [[token + shift for token in prompt] for prompt in work.prompts]
+    preempted = llm.engine.scheduler.num_preemptions
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
@@ -411,6 +418,8 @@ def run_workload(llm, work: Workload, params: list, shift: int, label: str) -> d
         "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(produced / elapsed, 1),
         "total_tok_s": round((produced + work.prompt_tokens) / elapsed, 1),
+        # A KV pool too small for the workload's sequences at once recomputes some.
+        "preemptions": llm.engine.scheduler.num_preemptions - preempted,
     }
     print(f"{label}: {run}")
     return run
