@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,8 @@ from engine.kernels.activation import silu_and_mul
 @dataclass(frozen=True)
 class MoeTiles:
     """Block sizes of the Triton grouped GEMM. Untuned starting points until
-    benchmarks/gpu_moe.py measures them: BLOCK_M 16 (tl.dot's least) for decode, where an
-    expert gets a handful of rows, 64 for prefill."""
+    benchmarks/gpu_moe.py --tile-sweep measures them: BLOCK_M 16 (tl.dot's least) for
+    decode, where an expert gets a handful of rows, 32 for a busy decode, 64 for prefill."""
 
     block_m: int
     block_n: int
@@ -49,12 +50,21 @@ class MoeTiles:
 
 
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+BUSY_DECODE_TILES = MoeTiles(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
 def pick_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
-    """Decode tiles while an expert gets at most 16 rows on average (uniform routing)."""
-    return DECODE_TILES if num_pairs <= 16 * num_experts else PREFILL_TILES
+    """The tiles of the smallest BLOCK_M that an expert's rows rarely exceed: an expert
+    with more rows than BLOCK_M reads its weights once per block of them. Under even
+    routing its rows are about Poisson of mean pairs / experts; rarely is past the mean by
+    three standard deviations (at Qwen3-30B-A3B's 256-token decode, mean 16, BLOCK_M 16
+    would read 43% of the experts twice)."""
+    mean = num_pairs / num_experts
+    busiest = mean + 3 * math.sqrt(mean)
+    if busiest <= DECODE_TILES.block_m:
+        return DECODE_TILES
+    return BUSY_DECODE_TILES if busiest <= BUSY_DECODE_TILES.block_m else PREFILL_TILES
 
 
 @dataclass(frozen=True)
