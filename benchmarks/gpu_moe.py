@@ -19,8 +19,8 @@ of the distinct experts the batch touched / graph time (else eager time): a deco
 is a weight read. rel_err is each way's norm-wise error against the reference's output.
 The summary prints the fastest way per shape and row count. --tile-sweep also times the
 Triton kernel at each of TILE_CANDIDATES (named block_m/block_n/block_k/warps/stages), for
-fused_moe's DECODE_TILES / BUSY_DECODE_TILES / PREFILL_TILES. Weights are 1.2 GB (Qwen3) and 2.8 GB
-(Mixtral); the largest step's activations take a few GB.
+fused_moe's DECODE_TILES / BUSY_DECODE_TILES / PREFILL_TILES. Weights are 1.2 GB (Qwen3)
+and 2.8 GB (Mixtral); the largest step's activations take a few GB.
 """
 
 from __future__ import annotations
