@@ -224,6 +224,28 @@ def test_triton_experts_equal_the_reference_interpreter(shape, dtype, tiles):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
+@pytest.mark.parametrize("tiles", INTERPRETER_TILES[1:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_gemm_is_silu_and_mul_of_the_plain_one_interpreter(dtype, tiles):
+    """The first GEMM with silu_and_mul in its epilogue against the plain GEMM followed by
+    the activation: the same values, up to the dots' summation order."""
+    from engine.kernels import triton_moe
+    from engine.kernels.activation import silu_and_mul_torch
+
+    experts, x, _, ids = case(SHAPES[2], dtype)
+    num_experts, top_k = experts.gate_up_proj.shape[0], ids.shape[1]
+    size = fused_moe.padded_size(ids.numel(), num_experts, tiles.block_m)
+    layout = triton_moe.align_rows(ids, num_experts, tiles.block_m, size)
+    launch = dict(vars(tiles))
+    plain = triton_moe.grouped_gemm(x, experts.gate_up_proj, *layout, top_k, None, **launch)
+    gated = triton_moe.grouped_gemm(
+        x, experts.gate_up_proj, *layout, top_k, None, gated=True, **launch
+    )
+    assert gated.shape == (ids.numel(), experts.down_proj.shape[2])
+    torch.testing.assert_close(gated, silu_and_mul_torch(plain), **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_moe_in_the_interpreter")
 @pytest.mark.parametrize("block_m", [1, 16, 64])
 @pytest.mark.parametrize("shape", ALIGN_SHAPES)
 def test_align_rows_lays_out_what_the_stable_sort_and_padding_do_interpreter(shape, block_m):

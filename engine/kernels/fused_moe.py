@@ -10,14 +10,16 @@ implementations of the two GEMMs:
   program's BLOCK_M rows belong to one expert and it reads that expert's weight tile only;
   padding rows are marked invalid and never loaded or stored. The worst-case padded size
   (`padded_size`) is fixed by T, so the grid is too; programs past the last expert's rows
-  return at once. The first GEMM gathers the token rows itself (row = pair // k), the
-  second multiplies each output row by its router weight.
+  return at once. The first GEMM gathers the token rows itself (row = pair // k) and
+  applies silu_and_mul in its epilogue, the second multiplies each output row by its
+  router weight.
 - `grouped_mm_experts`: torch._grouped_mm over the rows sorted by expert
   (`group_by_expert`: a stable sort, counts by scatter_add_) with the per-expert
   cumulative row counts as offsets (torch >= 2.8; on CUDA it needs sm90 and bf16, and
   strides that are multiples of 16 bytes: `grouped_mm_fits`).
 
-Between the two GEMMs silu_and_mul; after them each token's k outputs, weighted by the
+Between the two GEMMs silu_and_mul (rounded as the kernel of that name rounds, in both
+implementations); after them each token's k outputs, weighted by the
 router in float32, are summed in float32 in slot order (deterministic: no atomics) and
 rounded once to x's dtype.
 Accumulation is float32 throughout. engine/model/moe.py picks one per row count on CUDA;
@@ -168,9 +170,9 @@ def triton_experts(
     size = padded_size(num_pairs, num_experts, tiles.block_m)
     pair_of_row, block_expert = triton_moe.align_rows(experts, num_experts, tiles.block_m, size)
     launch = dataclasses.asdict(tiles)
-    hidden = triton_moe.grouped_gemm(x, gate_up, pair_of_row, block_expert, top_k, None, **launch)
-    route = weights.reshape(-1)
-    pair_out = triton_moe.grouped_gemm(
-        silu_and_mul(hidden), down, pair_of_row, block_expert, 1, route, **launch
+    hidden = triton_moe.grouped_gemm(
+        x, gate_up, pair_of_row, block_expert, top_k, None, gated=True, **launch
     )
+    route = weights.reshape(-1)
+    pair_out = triton_moe.grouped_gemm(hidden, down, pair_of_row, block_expert, 1, route, **launch)
     return combine(pair_out, num_tokens, x.dtype, None)

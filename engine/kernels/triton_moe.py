@@ -225,6 +225,7 @@ def _grouped_gemm_kernel(
     k,
     A_DIV: tl.constexpr,
     HAS_ROUTE: tl.constexpr,
+    GATED: tl.constexpr,  # W is [E, 2n, K], gate rows then up rows; out silu(gate) * up
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -243,14 +244,24 @@ def _grouped_gemm_kernel(
     col_ok = cols < n
     offs_k = tl.arange(0, BLOCK_K)
     a_tile = a_ptr + a_rows[:, None] * k + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_expert = w_ptr + expert.to(tl.int64) * n * k
+    w_expert = w_ptr + expert.to(tl.int64) * (2 * n if GATED else n) * k
     w_tile = w_expert + cols.to(tl.int64)[None, :] * k + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED only
     for k0 in range(0, k, BLOCK_K):
         k_ok = k0 + offs_k < k
         a = tl.load(a_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_tile + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_tile + k0, mask=w_ok, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(w_tile + n * k + k0, mask=w_ok, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if GATED:  # rounded where silu_and_mul would see them: gate, up and silu(gate)
+        dtype = out_ptr.dtype.element_ty
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
     if HAS_ROUTE:
         acc *= tl.load(route_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * n + cols[None, :]
@@ -265,6 +276,7 @@ def grouped_gemm(
     a_div: int,
     route: torch.Tensor | None,
     *,
+    gated: bool = False,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -273,11 +285,18 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """[num_pairs, N] in a's dtype: row p = a[p // a_div] @ weight[expert of p]^T (times
     route[p]). a [rows, K] and weight [E, N, K] contiguous; pair_of_row and block_expert
-    from align_rows with block_m; the block sizes are a fused_moe.MoeTiles."""
+    from align_rows with block_m; the block sizes are a fused_moe.MoeTiles.
+
+    gated: weight is gate_up [E, 2I, K] and the result [num_pairs, I] is silu_and_mul of
+    that product, in the GEMM's epilogue (no [num_pairs, 2I] written and read back); a
+    program then reads block_n / 2 gate rows and as many up rows, the weight bytes of an
+    ungated one."""
     assert a.is_contiguous() and weight.is_contiguous(), "a and weight must be contiguous"
     assert a.dtype == weight.dtype, "a and weight must share a dtype"
     num_experts, n, k = weight.shape
     assert a.shape[1] == k, f"a is {list(a.shape)} but weight is {list(weight.shape)}"
+    if gated:
+        n, block_n = n // 2, block_n // 2
     num_pairs = a.shape[0] * a_div
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     if num_pairs == 0:
@@ -296,6 +315,7 @@ def grouped_gemm(
         k,
         A_DIV=a_div,
         HAS_ROUTE=route is not None,
+        GATED=gated,
         # float32 models multiply in float32, not tf32; 16-bit inputs ignore it.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
