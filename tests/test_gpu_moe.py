@@ -126,6 +126,22 @@ def test_fused_experts_replay_in_a_cuda_graph_with_new_routing(layer, impl, rows
     assert rel_error(out, want.reference(x.float(), weights, ids)) < MAX_REL_ERROR
 
 
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_the_router_kernel_chooses_as_torch_does(name):
+    """top_k_softmax on CUDA against torch's float32 softmax and a stable top-k, on
+    float32 logits (no ties), renormalised and not."""
+    from engine.kernels import triton_moe
+    from tests.test_fused_moe import torch_top_k_softmax
+
+    num_experts, top_k, _, _ = LAYERS[name]
+    logits = torch.randn(512, num_experts, device="cuda")
+    for renormalize in (True, False):
+        weights, ids = triton_moe.top_k_softmax(logits, top_k, renormalize)
+        want_weights, want_ids = torch_top_k_softmax(logits, top_k, renormalize)
+        assert torch.equal(ids.long(), want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
 def test_grouped_mm_fits_both_layers(layer):
     name, gate_up, down, _ = layer
     x = torch.zeros(1, LAYERS[name][2], dtype=torch.bfloat16, device="cuda")
