@@ -66,7 +66,8 @@ def _top_k_softmax_kernel(
     left = logits
     for slot in tl.static_range(K):
         best = tl.max(left, 0)
-        chosen = tl.min(tl.where(left == best, lanes, E_PAD), 0)
+        # In range even if a NaN logit matched nothing: the layout trusts these ids.
+        chosen = tl.minimum(tl.min(tl.where(left == best, lanes, E_PAD), 0), num_experts - 1)
         weights = tl.where(slots == slot, tl.exp(best - top) / denom, weights)
         ids = tl.where(slots == slot, chosen, ids)
         left = tl.where(lanes == chosen, float("-inf"), left)
