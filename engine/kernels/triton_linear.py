@@ -29,8 +29,9 @@ only compiles again when it changes the power-of-two row block.
 output row, and x as it is (16-bit): a decode batch's x is kilobytes, so quantizing it
 would save no bytes and cost a kernel. Each W tile is widened to x's dtype (exact: every
 e4m3 value is a bfloat16 and a float16), and the scale multiplies each float32 sum before
-the bias and the one rounding. pick_config keeps a program's bytes of W the same for
-one-byte weights as for two-byte ones: its K steps are twice as long.
+the bias and the one rounding. On CUDA cores pick_config keeps a program's bytes of W
+the same for one-byte weights as for two-byte ones (K steps twice as long); the tensor-core
+form keeps its K steps, whose shared memory is mostly x's padded rows.
 
 TRITON_INTERPRET=1 runs this kernel on CPU tensors (tests/test_triton_linear.py does).
 """
@@ -66,13 +67,11 @@ def pick_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> SkinnyConfi
     A first rule, reasoned rather than measured: benchmarks/gpu_kernels.py --linear-sweep
     prints the best candidate per shape and row count beside this rule's pick.
     """
-    widen = 2 // weight_bytes  # K elements per 16-bit one's bytes
-    block_k = min(triton.next_power_of_2(k), 1024 * widen)
     if rows <= CUDA_CORE_MAX_ROWS:
+        block_k = min(triton.next_power_of_2(k), 1024 * 2 // weight_bytes)
         return SkinnyConfig(use_dot=False, block_n=4, block_k=block_k, num_warps=4, num_stages=2)
-    return SkinnyConfig(
-        use_dot=True, block_n=16, block_k=min(block_k, 256 * widen), num_warps=4, num_stages=4
-    )
+    block_k = min(triton.next_power_of_2(k), 256)
+    return SkinnyConfig(use_dot=True, block_n=16, block_k=block_k, num_warps=4, num_stages=4)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
