@@ -32,12 +32,17 @@ from tests.tiny_models import write_tiny_model
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "clients" / "README.md").read_text()
 EXAMPLE_TARGET = "localhost:50051"
+LONG_CONTEXT = 32768  # the tiny model's context, and its KV pool's tokens (16 a block)
+KV_BLOCKS = LONG_CONTEXT // 16
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("client-tiny"), "llama")
-    with running_server(model, "--num-blocks", "128") as process:
+    # A context of 32k tokens: long_stream's request outlasts any CLI process's start.
+    model = write_tiny_model(
+        tmp_path_factory.mktemp("client-tiny"), "llama", max_position_embeddings=LONG_CONTEXT
+    )
+    with running_server(model, "--num-blocks", str(KV_BLOCKS)) as process:
         yield process
 
 
@@ -159,9 +164,11 @@ def test_readme_grpcurl_requests_cover_every_rpc_and_are_answered(server):
 
 
 def long_stream(target: str, request_id: str):
-    """A request that runs until cancelled (400 tokens), already running; its channel too."""
+    """A request that runs until cancelled, already running; its channel too. Its tokens
+    take the tiny model tens of seconds: a cold `pagedserve client` process, which a busy
+    machine can take seconds to start, still finds it running."""
     channel = grpc.insecure_channel(target)
-    stopping = pb.StoppingOptions(max_tokens=400, ignore_eos=True)
+    stopping = pb.StoppingOptions(max_tokens=LONG_CONTEXT - 100, ignore_eos=True)
     request = pb.GenerateRequest(request_id=request_id, text="once", stopping=stopping)
     stream = inference_pb2_grpc.InferenceStub(channel).StreamGenerate(request)
     next(stream)
@@ -227,7 +234,7 @@ def test_cli_model_info_and_tokenize(server, capsys):
     code, out, _ = run(capsys, "model-info", "--target", server.target)
     assert code == 0
     info = dict(line.split(": ", 1) for line in out.splitlines())
-    assert info["architecture"] == "LlamaForCausalLM" and info["kv_num_blocks"] == "128"
+    assert info["architecture"] == "LlamaForCausalLM" and info["kv_num_blocks"] == str(KV_BLOCKS)
     argv = ["tokenize", "--target", server.target, "--prompt", "hello", "--no-special-tokens"]
     code, out, _ = run(capsys, *argv)
     with grpc.insecure_channel(server.target) as channel:
