@@ -55,6 +55,9 @@ TESTS_ARGS=${TESTS_ARGS:-}  # more pytest options for tests, e.g. "-k graph"
 # The test files for tests (default: every module with GPU tests; the others import
 # test-only packages the host may lack).
 TESTS_FILES=${TESTS_FILES:-$(grep -l "pytest.mark.gpu" tests/*.py)}
+# With TESTS_FILE_SECONDS set, tests runs each file as its own pytest stopped after that
+# many seconds, so one file's kernel builds cannot take the time of the files after it.
+TESTS_FILE_SECONDS=${TESTS_FILE_SECONDS:-}
 BENCH_ARGS=${BENCH_ARGS:-}  # more gpu_bench.py options for bench and bench-base, e.g. "--block-size 16"
 LINEAR_ARGS=${LINEAR_ARGS:-}  # more gpu_kernels.py options for linear, e.g. "--linear-rows 64 256"
 STRUCTURED_ARGS=${STRUCTURED_ARGS:-}  # more structured_output.py options for structured
@@ -90,8 +93,21 @@ for step in "$@"; do
   case $step in
     # -v: each test's outcome on its own line as it ends, so a run stopped by a time limit
     # still says which tests passed.
-    tests) python3 -m pytest -v -s -m gpu --durations=20 $TESTS_FILES $TESTS_ARGS \
-        -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt" ;;
+    tests) if [ -z "$TESTS_FILE_SECONDS" ]; then
+        python3 -m pytest -v -s -m gpu --durations=20 $TESTS_FILES $TESTS_ARGS \
+          -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/log.txt"
+      else
+        failed=0
+        for file in $TESTS_FILES; do
+          timeout "$TESTS_FILE_SECONDS" python3 -m pytest -v -s -m gpu --durations=5 "$file" \
+            $TESTS_ARGS -p no:cacheprovider 2>&1 | grep --line-buffered -v "it/s\]" \
+            | tee -a "$OUT/log.txt"
+          rc=${PIPESTATUS[0]}
+          echo "file $file: exit $rc" | tee -a "$OUT/log.txt"
+          [ "$rc" = 0 ] || [ "$rc" = 5 ] || failed=1  # 5: no GPU test collected
+        done
+        (exit $failed)
+      fi ;;
     attention) python3 benchmarks/gpu_attention.py --json-out "$OUT/gpu-attention.json" 2>&1 | tee -a "$OUT/log.txt" ;;
     attention-workload) python3 benchmarks/gpu_attention.py --workload-only \
         --json-out "$OUT/gpu-attention-workload.json" 2>&1 | tee -a "$OUT/log.txt" ;;
