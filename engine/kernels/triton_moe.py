@@ -138,13 +138,13 @@ def _align_kernel(
     pid = tl.program_id(0)
     lanes = tl.arange(0, E_PAD)
     is_expert = lanes < num_experts
-    counts = tl.load(running_ptr + (num_chunks - 1) * num_experts + lanes, mask=is_expert, other=0)
+    totals = tl.load(running_ptr + (num_chunks - 1) * num_experts + lanes, mask=is_expert, other=0)
     # A program past the pairs has only rows to mark: it reads no chunk's counts.
     own = lanes < tl.where(pid < num_chunks, num_experts, 0)
     before = tl.load(running_ptr + pid * num_experts + lanes, mask=own, other=0) - tl.load(
         counts_ptr + pid * num_experts + lanes, mask=own, other=0
     )
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
 
@@ -165,7 +165,7 @@ def _align_kernel(
     ended = (ends[None, :] <= rows[:, None]) & is_expert[None, :]
     expert = tl.sum(ended.to(tl.int32), axis=1)
     at = expert[:, None] == lanes[None, :]
-    taken = tl.sum(tl.where(at, (starts + counts)[None, :], 0), axis=1)
+    taken = tl.sum(tl.where(at, (starts + totals)[None, :], 0), axis=1)
     padding = (rows >= taken) | (expert >= num_experts)
     tl.store(pair_of_row_ptr + rows, num_pairs, mask=padding & (rows < num_rows))
     blocks = pid * (CHUNK // BLOCK_M) + tl.arange(0, CHUNK // BLOCK_M)
