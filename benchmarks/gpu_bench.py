@@ -373,9 +373,7 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         f"KV pool: {blocks.num_blocks * blocks.block_size:,} tokens; the workload's "
         f"sequences at once: {tokens_at_once:,}"
     )
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
-    ]
+    params = workload_params(work)
     llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=8))  # warm-up
     # Whole untimed runs first: on a machine whose kernel cache lacks them, the first run
     # has stalled ~40 s in flashinfer's JIT build of the eager decode modules, which its
@@ -402,6 +400,15 @@ def run_offline(args: argparse.Namespace, model_dir: Path, work: Workload) -> di
         "preemptions": llm.engine.scheduler.num_preemptions,
         **latency,
     }
+
+
+def workload_params(work: Workload) -> list:
+    """Each request's sampling: temperature 0.6, ignore_eos, its own output length."""
+    from engine.sampling_params import SamplingParams
+
+    return [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
+    ]
 
 
 def run_workload(llm, work: Workload, params: list, shift: int, label: str) -> dict:

@@ -41,6 +41,7 @@ from benchmarks.gpu_bench import (  # noqa: E402
     add_engine_arguments,
     run_workload,
     start_engine,
+    workload_params,
     write_random_model,
 )
 from benchmarks.workload import make_workload, run_info  # noqa: E402
@@ -143,16 +144,15 @@ def print_window(window: Window, top: int) -> None:
         )
 
 
-def profile_workload(llm, work, args: argparse.Namespace) -> list[Window]:
-    """The prefill and busy-decode windows of one run of the workload, then batch-1."""
+def profile_workload(llm, work, params: list, args: argparse.Namespace) -> list[Window]:
+    """The prefill and busy-decode windows of one run of the workload (its requests'
+    sampling `params`), then batch-1."""
     from engine.sampling_params import SamplingParams
 
     engine = llm.engine
     requests = [
-        engine.add_request(
-            f"profile-{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
-        )
-        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))
+        engine.add_request(f"profile-{i}", prompt, request_params)
+        for i, (prompt, request_params) in enumerate(zip(work.prompts, params, strict=True))
     ]
     windows = [profile_steps(engine, "prefill", args.prefill_steps)]
     while engine.has_unfinished_requests and any(r.stage != "decode" for r in requests):
@@ -185,14 +185,10 @@ def main() -> None:
     work = make_workload(NANO_VLLM_WORKLOAD)
     model_dir = write_random_model(SHAPES[args.shape], args.model_dir / args.shape, weights=False)
     llm = start_engine(args, model_dir)
-    from engine.sampling_params import SamplingParams
-
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in work.output_lens
-    ]
+    params = workload_params(work)
     # Ids shifted by one: the profiled run finds none of this run's prompts cached.
     run_workload(llm, work, params, 1, "untimed run")
-    windows = profile_workload(llm, work, args)
+    windows = profile_workload(llm, work, params, args)
     for window in windows:
         print_window(window, args.top)
     if args.json_out:
