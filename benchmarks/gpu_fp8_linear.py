@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_kernels import rotating_weights  # noqa: E402
+from benchmarks.gpu_kernels import config_name, rotating_weights  # noqa: E402
 from benchmarks.workload import run_info  # noqa: E402
 from engine.kernels import fp8_linear  # noqa: E402
 from engine.model.llama import linear  # noqa: E402
@@ -174,16 +174,12 @@ def sweep_shape(name: str, rows: int) -> dict:
 
 
 def print_sweep(found: list[dict]) -> None:
-    def name(config: dict) -> str:
-        kind = "dot" if config["use_dot"] else "cores"
-        return f"{kind} n{config['block_n']} k{config['block_k']} w{config['num_warps']} s{config['num_stages']}"
-
     print("\nskinny fp8 sweep: the best configuration per shape and rows")
     for case in found:
         print(
-            f"  {case['op']:<8} rows {case['rows']:>3}: best {name(case['best']):<26} "
+            f"  {case['op']:<8} rows {case['rows']:>3}: best {config_name(case['best']):<26} "
             f"{case['best_us']:7.1f} us {case['best_weight_tbps']:.2f} TB/s | rule "
-            f"{name(case['rule']):<26} {case['rule_us']} us | _scaled_mm {case['scaled_mm_us']} us"
+            f"{config_name(case['rule']):<26} {case['rule_us']} us | _scaled_mm {case['scaled_mm_us']} us"
         )
     for count in sorted({case["rows"] for case in found}):
         layer = [case for case in found if case["rows"] == count]

@@ -517,14 +517,16 @@ def print_linear_table(results: list[Result]) -> None:
     print(f"the Triton kernel beats F.linear per layer at rows {faster}: SKINNY_MAX_ROWS = {limit}")
 
 
-def print_linear_sweep(found: list[dict]) -> None:
-    def name_config(config: dict) -> str:
-        kind = "dot" if config["use_dot"] else "cores"
-        return (
-            f"{kind} n{config['block_n']} k{config['block_k']} "
-            f"w{config['num_warps']} s{config['num_stages']}"
-        )
+def config_name(config: dict) -> str:
+    """A SkinnyConfig (as a dict) in one short word group: "cores n4 k1024 w4 s2"."""
+    kind = "dot" if config["use_dot"] else "cores"
+    return (
+        f"{kind} n{config['block_n']} k{config['block_k']} "
+        f"w{config['num_warps']} s{config['num_stages']}"
+    )
 
+
+def print_linear_sweep(found: list[dict]) -> None:
     if not found:
         return
     print("\nlinear sweep: the best configuration per shape and rows, against the rule's pick")
@@ -533,9 +535,9 @@ def print_linear_sweep(found: list[dict]) -> None:
         rule = f"{rule_us:6.1f} us" if rule_us is not None else "error"
         cublas = case["f_linear_us"]
         print(
-            f"  {case['op']:<8} rows {case['rows']:>2}: best {name_config(case['best']):<26}"
+            f"  {case['op']:<8} rows {case['rows']:>2}: best {config_name(case['best']):<26}"
             f" {case['best_us']:6.1f} us {case['best_weight_tbps']:.2f} TB/s | rule"
-            f" {name_config(case['rule']):<26} {rule} | F.linear"
+            f" {config_name(case['rule']):<26} {rule} | F.linear"
             f" {cublas if cublas is None else round(cublas, 1)} us"
             + (f" | {case['failed']} configs failed" if case["failed"] else "")
         )
