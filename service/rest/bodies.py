@@ -53,6 +53,7 @@ def decode(body: bytes, kind: type[Body]) -> Body:
         raise ValidationError("body", f"not valid JSON: {_why_invalid(body, str(exc))}") from None
 
 
+_EMPTY_OBJECT = re.compile(rb"\{\s*\}")
 _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]|\[\.\.\.\]")
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
@@ -106,7 +107,7 @@ def _decoded(raw: Raw | bytes, kind: Any, field: str, as_text: bool = False) -> 
 
 def _present(raw: Raw) -> bool:
     """A raw field was sent, and not as null."""
-    return len(raw) > 0 and bytes(raw) != b"null"
+    return len(raw) > 0 and memoryview(raw) != b"null"
 
 
 class _Array(msgspec.Struct, array_like=True):
@@ -238,7 +239,7 @@ class _Sampling(_Body, kw_only=True):
     def _request(self, prompts: list[Prompt], field_names: dict[str, str]) -> GenerationRequest:
         """The door-neutral request: the fields SAMPLING_FIELDS names, as this body set
         them, the constraint, priority and model; tools are chat's."""
-        if _present(self.logit_bias) and bytes(self.logit_bias).strip() != b"{}":
+        if _present(self.logit_bias) and not _EMPTY_OBJECT.fullmatch(memoryview(self.logit_bias)):
             raise ValidationError("logit_bias", "is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options", "is only allowed with stream: true")
@@ -297,9 +298,8 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
-        raw = bytes(self.prompt)
-        kind = _prompt_kind(raw)
-        prompt = _decoded(raw, kind, "prompt")
+        kind = _prompt_kind(self.prompt)
+        prompt = _decoded(self.prompt, kind, "prompt")
         if kind is str:
             return [prompt]
         if not prompt:
@@ -323,17 +323,21 @@ class CompletionRequest(_Sampling, kw_only=True):
 _TOKEN_IDS = list[int]  # a prompt's ids: bounded by the body's size, checked by the engine
 
 
-def _prompt_kind(raw: bytes) -> Any:
+_ARRAY_START = re.compile(rb"\[\s*(.?)")
+
+
+def _prompt_kind(raw: Raw) -> Any:
     """The type a completions prompt is decoded as, by its first character and its first
-    entry's: text, texts, token-id lists or token ids."""
-    if raw[:1] == b"[":
-        first = raw[1:].lstrip()[:1]
-        if first == b'"':
-            return at_most(str, MAX_PROMPTS)
-        if first == b"[":
-            return at_most(_TOKEN_IDS, MAX_PROMPTS)
-        return _TOKEN_IDS
-    return str
+    entry's: text, texts, token-id lists or token ids. Read in place: a prompt may be
+    megabytes."""
+    array = _ARRAY_START.match(memoryview(raw))
+    if array is None:
+        return str
+    if array[1] == b'"':
+        return at_most(str, MAX_PROMPTS)
+    if array[1] == b"[":
+        return at_most(_TOKEN_IDS, MAX_PROMPTS)
+    return _TOKEN_IDS
 
 
 class TextPart(_Body, kw_only=True):

@@ -3,7 +3,9 @@
 Each attack runs against a real server process while a probe in a process of its own
 (tests/reliability/pace.py) times a normal 8-token request and the readiness check: the
 promise is that under attack the normal request keeps its p50 within 2x of the
-unattacked one and health answers within 0.5 s. And each attack gets its own answer:
+unattacked one (for the bodies of wrong values, within 1.5x of its pace beside a client
+sending valid bodies as large) and health answers within 0.5 s. And each attack gets its
+own answer:
 
 - bodies near the 16 MiB limit whose entries all have the wrong type, or hold a million
   dictionary entries, are refused at their first wrong value (400 naming it), without the
@@ -42,6 +44,11 @@ BODY_BYTES = 15 * 1024 * 1024  # each attack body: near the 16 MiB message limit
 # Peak resident growth while a body is refused, as a multiple of the body's size: the bytes
 # themselves, and what was built of them before the first wrong value.
 MAX_RSS_GROWTH = 4
+# Moving 15 MB bodies through the server is itself work the normal request shares the
+# cores with (on a slow machine about 0.1 s a body, back to back: the unattacked pace
+# doubled before a byte was refused), so a wrong body is held to the pace beside an
+# ordinary client sending valid bodies as large: what is left is the refusal's own cost.
+MAX_ATTACK_RATIO = 1.5
 ATTACK_SECONDS = 4.0  # an attack goes on at least this long: the probe's window
 
 
@@ -84,6 +91,8 @@ def filled(template: str, piece: str) -> bytes:
     return template.replace("{}", ",".join([piece] * count)).encode()
 
 
+# A valid completion as large as an attack body: a one-token answer, its 15 MB in `user`.
+NEIGHBOUR_BODY = filled('{"prompt": "x", "max_tokens": 1, "user": "{}"}', "a")
 # (what it is, body, the field its refusal names)
 WRONG_BODIES = [
     ("lists of strings where token ids go", filled('{"prompt": [{}]}', json.dumps(["x"] * 1000)), "prompt.0.0"),
@@ -126,30 +135,36 @@ class PeakRss:
 
 def test_bodies_of_wrong_or_huge_values_are_refused_at_once(served):
     server, http_port = served
-    baseline = measure_pace(server.target, 3, API_KEY)
-    refusals = []
-    with PaceProbe(server.target, API_KEY) as probe, httpx.Client(timeout=60) as http:
-        for label, body, field in attack_rounds(WRONG_BODIES):
-            with PeakRss(server.proc.pid) as rss:
-                started = time.monotonic()
-                response = http.post(
-                    f"http://127.0.0.1:{http_port}/v1/completions", content=body, headers=AUTH
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    with httpx.Client(timeout=60) as http:
+        with PaceProbe(server.target, API_KEY) as beside_neighbour:
+            for body in attack_rounds([NEIGHBOUR_BODY]):
+                with PeakRss(server.proc.pid):  # the sampler's own load, as in the attack
+                    response = http.post(url, content=body, headers=AUTH)
+                assert response.status_code == 200, response.text[:300]
+        refusals = []
+        with PaceProbe(server.target, API_KEY) as probe:
+            for label, body, field in attack_rounds(WRONG_BODIES):
+                with PeakRss(server.proc.pid) as rss:
+                    started = time.monotonic()
+                    response = http.post(url, content=body, headers=AUTH)
+                    took = time.monotonic() - started
+                error = response.json()["error"]
+                refusals.append(
+                    (label, took, (rss.peak - rss.start) / len(body), error["message"][:80])
                 )
-                took = time.monotonic() - started
-            error = response.json()["error"]
-            refusals.append(
-                (label, took, (rss.peak - rss.start) / len(body), error["message"][:80])
-            )
-            assert response.status_code == 400, (label, response.text[:300])
-            assert error["param"] == field, (label, error)
-            assert error["message"].startswith(f"{field}: "), (label, error)
-            assert rss.peak - rss.start <= MAX_RSS_GROWTH * len(body), refusals[-1]
+                assert response.status_code == 400, (label, response.text[:300])
+                assert error["param"] == field, (label, error)
+                assert error["message"].startswith(f"{field}: "), (label, error)
+                assert rss.peak - rss.start <= MAX_RSS_GROWTH * len(body), refusals[-1]
     report = "\n".join(
         f"{label}: {took:.2f} s, peak RSS +{growth:.1f}x, {m}"
         for label, took, growth, m in refusals
     )
-    print(f"{report}\nalone: {baseline.describe()}\nunder attack: {probe.pace.describe()}")
-    probe.pace.assert_kept(baseline)
+    neighboured = beside_neighbour.pace
+    print(f"{report}\nbeside valid bodies: {neighboured.describe()}")
+    print(f"under attack: {probe.pace.describe()}")
+    probe.pace.assert_kept(neighboured, max_p50_ratio=MAX_ATTACK_RATIO)
 
 
 def test_a_client_without_the_key_is_refused_before_its_body_is_read(served):
