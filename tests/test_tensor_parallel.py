@@ -5,6 +5,7 @@ through `pagedserve generate`) is tests/test_tensor_parallel_engine.py."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 from collections.abc import Callable
@@ -149,11 +150,22 @@ def generate(
     return torch.stack(rows).float(), tokens
 
 
+def group_threads() -> list[str]:
+    """The names of this process's threads that a gloo process group runs."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return [name for name in names if "gloo" in name]
+
+
 def run_rank(
     rank: int, size: int, port: int, jobs: list[tuple[str, Path, float | None]], out: Path
 ) -> None:
     """One rank: for each job (name, model, KV scale), its shard loaded and run; what it
-    saw saved as {name}-rank{rank}.pt."""
+    saw saved as {name}-rank{rank}.pt. Its models do not hold the group: it ends as it is
+    destroyed, its threads with it (left to the interpreter's exit, a gloo thread still
+    at work there aborts the process)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
@@ -170,6 +182,7 @@ def run_rank(
         dist.barrier()  # no rank leaves the group while a peer still talks to it
     finally:
         dist.destroy_process_group()
+    assert group_threads() == []
 
 
 def free_port() -> int:

@@ -2,8 +2,9 @@
 gloo worker processes that follow the driver's steps. The engine's outputs at N ranks are
 those of one (greedy, token for token) through chunked prefill, prefix-cache hits,
 preemption and n > 1; the embedded SmolLM2 through `pagedserve generate` at 3 ranks is the
-one-rank run; a worker killed or hung under `pagedserve serve` fails the engine, naming
-the rank, turns readiness NOT_SERVING and ends the server."""
+one-rank run; a closed engine has left its group at once (no gloo thread left in the
+driver, every worker exited 0); a worker killed or hung under `pagedserve serve` fails the
+engine, naming the rank, turns readiness NOT_SERVING and ends the server."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pagedserve.v1 import inference_pb2_grpc
 from tests.reliability.test_watchdog import NOT_SERVING, SERVING, Health
 from tests.server_process import running_server
 from tests.test_grpc_server import greedy, serving
+from tests.test_tensor_parallel import group_threads
 from tests.tiny_models import write_tiny_model
 
 TIMEOUT = 3.0  # seconds a collective waits for a hung rank
@@ -56,7 +58,10 @@ def one_thread_per_rank(monkeypatch):
 
 
 def run_engine(directory: Path, size: int) -> tuple[list[list[list[int]]], int]:
-    """Each request's candidates' tokens, and the preemptions it took."""
+    """Each request's candidates' tokens, and the preemptions it took; at size > 1, once
+    the engine is closed, none of its group's threads is left in this process (they end
+    with the group, not at the interpreter's exit, where one still at work aborts it) and
+    every worker has exited 0."""
     llm = LLM(str(directory), tensor_parallel_size=size, **ENGINE)
     try:
         shared = list(range(5, 25))  # a prefix of five blocks
@@ -69,6 +74,9 @@ def run_engine(directory: Path, size: int) -> tuple[list[list[list[int]]], int]:
         preemptions = llm.engine.scheduler.num_preemptions
     finally:
         llm.engine.close()
+    if size > 1:
+        assert group_threads() == []
+        assert [p.returncode for p in llm.engine.workers.processes] == [0] * (size - 1)
     return [[c.token_ids for c in out.outputs] for out in outputs], preemptions
 
 

@@ -59,6 +59,11 @@ class StepChannel:
         self.host_group = host_group
         self.device = device
 
+    def close(self) -> None:
+        """Let go of the host group, so that destroy_process_group ends it; the channel
+        carries nothing after this."""
+        del self.host_group
+
     # ---- the driver ----------------------------------------------------------------
 
     def send_step(self, plan: StepPlan, tokens: torch.Tensor | None) -> None:

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Bound now, before any group exists: torch.distributed.nn's functions take group.WORLD as
+# a default argument, and the module is first imported lazily (by torch._dynamo, while a
+# model is built). Imported after init_process_group, they would hold the default group
+# past destroy_process_group, its gloo threads alive into the interpreter's exit, where
+# one still dropping a finished collective's tensor needs the GIL and aborts the process.
+import torch.distributed.nn.functional  # noqa: F401
+
 
 @dataclass(frozen=True)
 class TensorParallel:

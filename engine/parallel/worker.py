@@ -24,7 +24,7 @@ from engine.core.runner import ModelRunner
 from engine.core.startup import build_rank
 from engine.errors import EngineError
 from engine.parallel.channel import StepChannel
-from engine.parallel.workers import WorkerStart, join_group, rank_device
+from engine.parallel.workers import WorkerStart, join_group, leave_group, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def main() -> int:
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)
         return 1
-    dist.destroy_process_group()
+    leave_group(channel)
     return 0
 
 

@@ -76,6 +76,15 @@ def join_group(
     return TensorParallel(rank, size), StepChannel(host_group, device)
 
 
+def leave_group(channel: StepChannel) -> None:
+    """This rank out of the group for good (every rank calls this, each its own), the
+    groups' threads ended now, while the interpreter is whole: left to its exit, a gloo
+    thread still dropping a finished collective's tensor needs the GIL, cannot have it
+    there, and aborts the process."""
+    channel.close()  # the host group's last reference but torch.distributed's own
+    dist.destroy_process_group()
+
+
 class Workers:
     """Ranks 1 .. size - 1, started as processes, and the channel to them."""
 
@@ -166,7 +175,7 @@ class Workers:
             except RuntimeError:  # a rank went away meanwhile
                 pass
         _end(self.processes, grace)
-        dist.destroy_process_group()
+        leave_group(self.channel)
 
 
 def _end(processes: list[subprocess.Popen], grace: float) -> None:
