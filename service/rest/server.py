@@ -43,15 +43,27 @@ def _ssl_options(tls: TlsFiles | None) -> dict[str, Any]:
 
 
 class _TimedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head: a client that has
-    not sent all of a request's headers within head_timeout seconds of its first byte (or
-    of the connection's opening) is disconnected, so a slowloris client cannot hold a
-    connection. (The body's deadline is the app's: _Api.body.)"""
+    """uvicorn's HTTP/1.1 protocol with deadlines: a client that has not sent all of a
+    request's headers within head_timeout seconds of its first byte (or of the connection's
+    opening) is disconnected, so a slowloris client cannot hold a connection. (A body's
+    deadline is the app's: _Api.body.)
 
-    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+    A request answered before its body was read (a refusal: 401, 413) leaves the rest of
+    the body on the connection, which HTTP/1.1 must read past to reach the next request;
+    uvicorn reads and drops it for as long as it comes. Here it may take head_timeout
+    seconds and max_drain_bytes more, then the connection is closed: a client without the
+    key cannot stream into it without end. (Closing at once would reset a client still
+    sending before it reads its answer.)"""
+
+    def __init__(
+        self, *args: Any, head_timeout: float, max_drain_bytes: int, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout = head_timeout
+        self.max_drain_bytes = max_drain_bytes
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._drain_deadline: asyncio.TimerHandle | None = None
+        self._drained = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -64,10 +76,16 @@ class _TimedH11Protocol(H11Protocol):
         elif self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
+            self._drain(len(data))  # answered: what comes is a refused body's rest
+        elif self._drain_deadline is not None:  # that body ended in time
+            self._drain_deadline.cancel()
+            self._drain_deadline, self._drained = None, 0
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
+        for deadline in (self._head_deadline, self._drain_deadline):
+            if deadline is not None:
+                deadline.cancel()
         super().connection_lost(exc)
 
     def _await_head(self) -> None:
@@ -77,6 +95,13 @@ class _TimedH11Protocol(H11Protocol):
     def _head_late(self) -> None:
         self._head_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def _drain(self, size: int) -> None:
+        if self._drain_deadline is None:
+            self._drain_deadline = self.loop.call_later(self.head_timeout, self.transport.close)
+        self._drained += size
+        if self._drained > self.max_drain_bytes:
             self.transport.close()
 
 
@@ -109,7 +134,11 @@ async def start_http(door: FrontDoor, config: ServerConfig) -> HttpServer:
     app = create_app(door, config.api_key, config.max_message_bytes, read_timeout)
     uvicorn_config = uvicorn.Config(
         app,
-        http=functools.partial(_TimedH11Protocol, head_timeout=read_timeout),
+        http=functools.partial(
+            _TimedH11Protocol,
+            head_timeout=read_timeout,
+            max_drain_bytes=config.max_message_bytes,
+        ),
         log_level="warning",
         access_log=False,
         lifespan="off",

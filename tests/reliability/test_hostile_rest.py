@@ -3,14 +3,15 @@
 Each attack runs against a real server process while a probe in a process of its own
 (tests/reliability/pace.py) times a normal 8-token request and the readiness check: the
 promise is that under attack the normal request keeps its p50 within 2x of the
-unattacked one (for the bodies of wrong values, within 1.5x of its pace beside a client
-sending valid bodies as large) and health answers within 0.5 s. And each attack gets its
-own answer:
+unattacked one (for bodies of wrong values, within 1.5x of its pace beside a client
+sending valid bodies as large: the bytes' own cost) and health answers within 0.5 s. And
+each attack gets its own answer:
 
 - bodies near the 16 MiB limit whose entries all have the wrong type, or hold a million
   dictionary entries, are refused at their first wrong value (400 naming it), without the
   server holding its loop or growing its memory by more than a few times the body's size;
-- bodies from a client without the API key are refused before they are read (401);
+- bodies from a client without the API key are refused before they are read (401), and
+  what of them follows the refusal is read no further than a body may go;
 - a completion of many prompts whose caller hangs up stops all its work at once;
 - headers or a body trickled in (slowloris) are cut off within http_read_timeout;
 - two Authorization headers are refused, whichever holds the key.
@@ -43,6 +44,7 @@ T = TypeVar("T")
 API_KEY = "hostile-rest-key"
 AUTH = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
 READ_TIMEOUT = 2.0  # the server's http_read_timeout
+MAX_MESSAGE_BYTES = 16 * 2**20  # its max_message_bytes, the default
 BODY_BYTES = 15 * 1024 * 1024  # each attack body: near the 16 MiB message limit
 # Peak resident growth while a body is refused, as a multiple of the body's size: the bytes
 # themselves, and what was built of them before the first wrong value.
@@ -171,41 +173,83 @@ def test_bodies_of_wrong_or_huge_values_are_refused_at_once(served):
 
 
 def keyless_attack(url: str) -> list[int]:
-    """Four keyless posts of a body near the limit at once, again and again for
-    ATTACK_SECONDS: their statuses."""
+    """Four keyless posts of a body near the limit at once, each from a client of its own,
+    again and again for ATTACK_SECONDS: their statuses."""
+    body = filled('{"prompt": [{}]}', "[]")
 
-    async def rounds() -> list[int]:
-        body, statuses = filled('{"prompt": [{}]}', "[]"), []
+    async def keyless() -> int:
         async with httpx.AsyncClient(timeout=60) as http:
-            for _ in attack_rounds([None]):
-                posts = (
-                    http.post(url, content=body, headers={"content-type": "application/json"})
-                    for _ in range(4)
-                )
-                statuses += [response.status_code for response in await asyncio.gather(*posts)]
-        return statuses
+            headers = {"content-type": "application/json"}
+            return (await http.post(url, content=body, headers=headers)).status_code
 
-    return asyncio.run(rounds())
+    async def four_at_once() -> list[int]:
+        return await asyncio.gather(*(keyless() for _ in range(4)))
+
+    return [status for _ in attack_rounds([None]) for status in asyncio.run(four_at_once())]
 
 
 def test_a_client_without_the_key_is_refused_before_its_body_is_read(served):
-    """The attacker runs in a process of its own at the lowest priority: it stands for a
-    client on another machine. Beside the server it would take a core of this machine's
-    two for itself (pushing 15 MB bodies as fast as it can), and halve the normal
-    request's pace whatever the server does with them."""
+    """The app reads none of it (the connection drops what follows the 401: the next test
+    bounds that). The attacker runs in a process of its own at the lowest priority: it
+    stands for a client on another machine (beside the server it would take one of this
+    machine's two cores for itself, and halve the normal request's pace whatever the
+    server did)."""
     server, http_port = served
     baseline = measure_pace(server.target, 3, API_KEY)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, spawn, initializer=os.nice, initargs=(19,)) as attacker:
-        attacker.submit(os.getpid).result()  # started before the probe's window opens
+        # Started, with this module imported there, before the probe's window opens.
+        attacker.submit(filled, "{}", "").result()
         with PaceProbe(server.target, API_KEY) as probe:
-            statuses = attacker.submit(
-                keyless_attack, f"http://127.0.0.1:{http_port}/v1/completions"
-            ).result()
+            url = f"http://127.0.0.1:{http_port}/v1/completions"
+            statuses = attacker.submit(keyless_attack, url).result()
     assert statuses and set(statuses) == {401}, statuses
     print(f"{len(statuses)} refused\nalone: {baseline.describe()}")
     print(f"under attack: {probe.pace.describe()}")
     probe.pace.assert_kept(baseline)
+
+
+def test_the_rest_of_a_refused_body_is_read_no_further_than_a_body_may_go(served):
+    """After a refusal sent before its body was read, what the client goes on sending is
+    read and dropped (so that a client still sending gets its answer, not a reset), but
+    only up to max_message_bytes more and for http_read_timeout: an endless body is cut
+    off within both, a trickled one within the timeout."""
+    _, http_port = served
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    chunk = b"10000\r\n" + b"[" * 0x10000 + b"\r\n"
+    sock = socket.create_connection(("127.0.0.1", http_port))
+    sock.sendall(head)
+    sock.settimeout(READ_TIMEOUT)
+    assert sock.recv(100).startswith(b"HTTP/1.1 401 "), "refused at its head"
+    sent, started = 0, time.monotonic()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        while time.monotonic() - started < 3 * READ_TIMEOUT:
+            sock.sendall(chunk)
+            sent += len(chunk)
+    sock.close()
+    # The socket buffers of both ends hold some beyond what the server read.
+    assert MAX_MESSAGE_BYTES <= sent <= MAX_MESSAGE_BYTES + 16 * 2**20, sent
+
+    sock = socket.create_connection(("127.0.0.1", http_port))
+    sock.sendall(head)
+    sock.settimeout(READ_TIMEOUT)
+    assert sock.recv(100).startswith(b"HTTP/1.1 401 ")
+    started, closed_after = time.monotonic(), None
+    while time.monotonic() - started < 3 * READ_TIMEOUT:
+        try:
+            if not _closed(sock):
+                sock.sendall(b"1\r\n[\r\n")  # a byte of body every 0.1 s
+                time.sleep(0.1)
+                continue
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        closed_after = time.monotonic() - started
+        break
+    sock.close()
+    assert closed_after is not None and closed_after < READ_TIMEOUT + 1.0, closed_after
 
 
 def test_two_authorization_headers_are_refused(served):
