@@ -321,7 +321,7 @@ SETTINGS: tuple[Setting, ...] = (
         "http_read_timeout",
         "seconds a REST client has to send a request's headers, and again its body; one "
         "slower is cut off (a body: 408). The rest of a body refused unread (401, 413) has "
-        "as long, and at most max_message_bytes, before the connection closes",
+        "as long before the connection closes",
     ),
     _setting(
         "server",

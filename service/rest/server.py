@@ -50,20 +50,16 @@ class _TimedH11Protocol(H11Protocol):
 
     A request answered before its body was read (a refusal: 401, 413) leaves the rest of
     the body on the connection, which HTTP/1.1 must read past to reach the next request;
-    uvicorn reads and drops it for as long as it comes. Here it may take head_timeout
-    seconds and max_drain_bytes more, then the connection is closed: a client without the
-    key cannot stream into it without end. (Closing at once would reset a client still
-    sending before it reads its answer.)"""
+    uvicorn reads and drops it for as long as it comes. Here it has head_timeout seconds
+    from its first byte after the answer, then the connection is closed: a client without
+    the key cannot stream into it without end. (Closing at once, or after a byte count,
+    resets a client still sending an over-large body before it reads its 413.)"""
 
-    def __init__(
-        self, *args: Any, head_timeout: float, max_drain_bytes: int, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout = head_timeout
-        self.max_drain_bytes = max_drain_bytes
         self._head_deadline: asyncio.TimerHandle | None = None
         self._drain_deadline: asyncio.TimerHandle | None = None
-        self._drained = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -77,10 +73,12 @@ class _TimedH11Protocol(H11Protocol):
             self._head_deadline.cancel()
             self._head_deadline = None
         if self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
-            self._drain(len(data))  # answered: what comes is a refused body's rest
+            # Answered: what comes is a refused body's rest.
+            if self._drain_deadline is None:
+                self._drain_deadline = self.loop.call_later(self.head_timeout, self._drain_late)
         elif self._drain_deadline is not None:  # that body ended in time
             self._drain_deadline.cancel()
-            self._drain_deadline, self._drained = None, 0
+            self._drain_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         for deadline in (self._head_deadline, self._drain_deadline):
@@ -97,11 +95,9 @@ class _TimedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
 
-    def _drain(self, size: int) -> None:
-        if self._drain_deadline is None:
-            self._drain_deadline = self.loop.call_later(self.head_timeout, self.transport.close)
-        self._drained += size
-        if self._drained > self.max_drain_bytes:
+    def _drain_late(self) -> None:
+        self._drain_deadline = None
+        if not self.transport.is_closing():
             self.transport.close()
 
 
@@ -134,11 +130,7 @@ async def start_http(door: FrontDoor, config: ServerConfig) -> HttpServer:
     app = create_app(door, config.api_key, config.max_message_bytes, read_timeout)
     uvicorn_config = uvicorn.Config(
         app,
-        http=functools.partial(
-            _TimedH11Protocol,
-            head_timeout=read_timeout,
-            max_drain_bytes=config.max_message_bytes,
-        ),
+        http=functools.partial(_TimedH11Protocol, head_timeout=read_timeout),
         log_level="warning",
         access_log=False,
         lifespan="off",

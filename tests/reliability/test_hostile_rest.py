@@ -11,7 +11,7 @@ each attack gets its own answer:
   dictionary entries, are refused at their first wrong value (400 naming it), without the
   server holding its loop or growing its memory by more than a few times the body's size;
 - bodies from a client without the API key are refused before they are read (401), and
-  what of them follows the refusal is read no further than a body may go;
+  what of them follows the refusal is read for http_read_timeout at most;
 - a completion of many prompts whose caller hangs up stops all its work at once;
 - headers or a body trickled in (slowloris) are cut off within http_read_timeout;
 - two Authorization headers are refused, whichever holds the key.
@@ -44,7 +44,6 @@ T = TypeVar("T")
 API_KEY = "hostile-rest-key"
 AUTH = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
 READ_TIMEOUT = 2.0  # the server's http_read_timeout
-MAX_MESSAGE_BYTES = 16 * 2**20  # its max_message_bytes, the default
 BODY_BYTES = 15 * 1024 * 1024  # each attack body: near the 16 MiB message limit
 # Peak resident growth while a body is refused, as a multiple of the body's size: the bytes
 # themselves, and what was built of them before the first wrong value.
@@ -209,11 +208,11 @@ def test_a_client_without_the_key_is_refused_before_its_body_is_read(served):
     probe.pace.assert_kept(baseline)
 
 
-def test_the_rest_of_a_refused_body_is_read_no_further_than_a_body_may_go(served):
+def test_the_rest_of_a_refused_body_is_read_no_longer_than_the_read_timeout(served):
     """After a refusal sent before its body was read, what the client goes on sending is
     read and dropped (so that a client still sending gets its answer, not a reset), but
-    only up to max_message_bytes more and for http_read_timeout: an endless body is cut
-    off within both, a trickled one within the timeout."""
+    only for http_read_timeout: an endless body, sent as fast as it goes or trickled, is
+    cut off then."""
     _, http_port = served
     head = (
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -224,14 +223,13 @@ def test_the_rest_of_a_refused_body_is_read_no_further_than_a_body_may_go(served
     sock.sendall(head)
     sock.settimeout(READ_TIMEOUT)
     assert sock.recv(100).startswith(b"HTTP/1.1 401 "), "refused at its head"
-    sent, started = 0, time.monotonic()
+    started = time.monotonic()
     with pytest.raises((BrokenPipeError, ConnectionResetError)):
         while time.monotonic() - started < 3 * READ_TIMEOUT:
             sock.sendall(chunk)
-            sent += len(chunk)
+    cut_after = time.monotonic() - started
     sock.close()
-    # The socket buffers of both ends hold some beyond what the server read.
-    assert MAX_MESSAGE_BYTES <= sent <= MAX_MESSAGE_BYTES + 16 * 2**20, sent
+    assert READ_TIMEOUT - 0.5 < cut_after < READ_TIMEOUT + 1.0, cut_after
 
     sock = socket.create_connection(("127.0.0.1", http_port))
     sock.sendall(head)
