@@ -20,6 +20,7 @@ each attack gets its own answer:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
@@ -235,17 +236,8 @@ def test_the_rest_of_a_refused_body_is_read_no_longer_than_the_read_timeout(serv
     sock.sendall(head)
     sock.settimeout(READ_TIMEOUT)
     assert sock.recv(100).startswith(b"HTTP/1.1 401 ")
-    started, closed_after = time.monotonic(), None
-    while time.monotonic() - started < 3 * READ_TIMEOUT:
-        try:
-            if not _closed(sock):
-                sock.sendall(b"1\r\n[\r\n")  # a byte of body every 0.1 s
-                time.sleep(0.1)
-                continue
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        closed_after = time.monotonic() - started
-        break
+    body_bytes = itertools.repeat(b"1\r\n[\r\n", round(3 * READ_TIMEOUT / 0.1))  # 3x the timeout
+    closed_after = seconds_until_closed(sock, body_bytes)
     sock.close()
     assert closed_after is not None and closed_after < READ_TIMEOUT + 1.0, closed_after
 
@@ -321,18 +313,26 @@ def test_a_caller_of_many_prompts_who_hangs_up_stops_all_its_work(served, stream
 def test_headers_trickled_in_are_cut_off(served):
     _, http_port = served
     sock = socket.create_connection(("127.0.0.1", http_port))
-    started = time.monotonic()
     trickle = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 200
-    closed_after = None
-    for byte in trickle:  # a byte each 0.1 s: 25 s for all of it
-        if _closed(sock):
-            closed_after = time.monotonic() - started
-            break
-        sock.sendall(bytes([byte]))
-        time.sleep(0.1)
+    closed_after = seconds_until_closed(sock, (bytes([byte]) for byte in trickle))  # 25 s in all
     sock.close()
     assert closed_after is not None, "the server kept a trickling client's connection"
     assert closed_after <= READ_TIMEOUT + 1.0, closed_after
+
+
+def seconds_until_closed(sock: socket.socket, pieces: Iterable[bytes]) -> float | None:
+    """Send the pieces one each 0.1 s until the server closes the connection: how long
+    that took, or None if it stayed open through all of them."""
+    started = time.monotonic()
+    for piece in pieces:
+        try:
+            if _closed(sock):
+                return time.monotonic() - started
+            sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
 
 
 def _readable(sock: socket.socket) -> bool:
